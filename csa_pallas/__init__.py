@@ -1,0 +1,12 @@
+"""csa_pallas: Pallas TPU kernels for the DeepSeek-V4 CSA lightning-indexer distillation loss.
+
+Public API (SPEC.md is the math contract):
+  indexer_distill_loss(indexer_logits, q, compressed_kv, ...)  -> loss (custom_vjp; gradient only to the logits)
+  teacher_distribution(q, compressed_kv, ...)                   -> P, f32 [B, S, N] or [B, S, K]
+  noncompressed_lse(q, window_kv, ...)                          -> u, f32 [B, S, H]
+"""
+
+from csa_pallas.api import indexer_distill_loss, noncompressed_lse, teacher_distribution
+
+__all__ = ["indexer_distill_loss", "teacher_distribution", "noncompressed_lse"]
+__version__ = "0.1.0"

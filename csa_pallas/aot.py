@@ -1,0 +1,109 @@
+"""Compile a jitted function for a TPU topology on any host (no TPU needed) and read its memory use.
+
+With libtpu installed (the `jax[tpu]` extra), `jax.experimental.topologies` gives abstract TPU devices; lowering
+and compiling against them runs the real XLA:TPU and Mosaic compilers, so VMEM overflows, unsupported ops and bad
+tilings fail here exactly as on the chip, and `memory_analysis()` reports the program's HBM bytes.
+
+    compiled = compile_for_tpu(jax.grad(loss), sds_a, sds_b)   # jax.ShapeDtypeStruct inputs
+    compiled.memory_analysis().temp_size_in_bytes
+
+libtpu takes a process lock when it loads; set ALLOW_MULTIPLE_LIBTPU_LOAD=1 (done here) so several compile-only
+processes (tests, benchmarks) can coexist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Callable, Sequence
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+from csa_pallas.kernels import runtime  # noqa: E402
+
+DEFAULT_TOPOLOGY = "v5p:2x2x1"
+
+
+@functools.lru_cache(maxsize=None)
+def tpu_devices(topology: str = DEFAULT_TOPOLOGY):
+    """Abstract TPU devices of `topology` (e.g. 'v5p:2x2x1' = 4 chips). Raises RuntimeError without libtpu."""
+    try:
+        return tuple(topologies.get_topology_desc(topology, "tpu").devices)
+    except Exception as e:  # libtpu missing or unknown topology
+        raise RuntimeError(f"cannot build TPU topology {topology!r} (is libtpu installed? pip install "
+                           f"'jax[tpu]==0.10.2'): {e}") from e
+
+
+def libtpu_available() -> bool:
+    try:
+        tpu_devices(DEFAULT_TOPOLOGY)
+        return True
+    except RuntimeError:
+        return False
+
+
+def single_chip_mesh(topology: str = DEFAULT_TOPOLOGY, axis_name: str = "x") -> Mesh:
+    return Mesh(np.array(tpu_devices(topology)[:1]), (axis_name,))
+
+
+def _place(tree, sharding):
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "shape"):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or sharding)
+        return x
+    return jax.tree_util.tree_map(one, tree)
+
+
+def compile_for_tpu(fn: Callable, *args: Any, topology: str = DEFAULT_TOPOLOGY, static_kwargs=None):
+    """AOT-compiles `fn(*args, **static_kwargs)` for one chip of `topology`.
+
+    Args:
+      fn: a function of arrays (it is wrapped in `jax.jit`).
+      args: pytrees of `jax.ShapeDtypeStruct` (or arrays; only shape and dtype are used). A struct that already
+        carries a sharding keeps it (multi-chip compiles); the rest are replicated on a one-chip mesh.
+      topology: TPU topology string, default 'v5p:2x2x1'.
+      static_kwargs: Python values bound into `fn`.
+
+    Returns:
+      The `jax.stages.Compiled` program (`.memory_analysis()`, `.as_text()`, `.cost_analysis()`).
+    """
+    sharding = NamedSharding(single_chip_mesh(topology), PartitionSpec())
+    placed = [_place(a, sharding) for a in args]
+    bound = functools.partial(fn, **(static_kwargs or {}))
+    with runtime.compiling_for_tpu():  # real Mosaic kernels, not the CPU interpreter
+        return jax.jit(bound).lower(*placed).compile()
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """HBM bytes of a compiled program (from `memory_analysis()`)."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+def memory_report(compiled) -> MemoryReport:
+    m = compiled.memory_analysis()
+    return MemoryReport(argument_bytes=int(m.argument_size_in_bytes), output_bytes=int(m.output_size_in_bytes),
+                        alias_bytes=int(m.alias_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes))
+
+
+def compile_memory(fn: Callable, *args: Any, topology: str = DEFAULT_TOPOLOGY, static_kwargs=None) -> MemoryReport:
+    """`compile_for_tpu` followed by `memory_report`."""
+    return memory_report(compile_for_tpu(fn, *args, topology=topology, static_kwargs=static_kwargs))
+
+
+def struct(shape: Sequence[int], dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)

@@ -1,0 +1,164 @@
+"""Public entry points: validate, pick an implementation, run.
+
+`implementation`:
+  * "xla"    - the pure-JAX reference (`csa_pallas.reference`), any configuration.
+  * "pallas" - the Pallas TPU kernels (`csa_pallas.ops`); interpret mode on a non-TPU backend. A configuration the
+               kernels do not cover raises NotImplementedError naming what is missing.
+  * None     - "pallas" when the kernels cover the configuration, else "xla" (see `choose_implementation`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+
+from csa_pallas import reference
+from csa_pallas import validation
+from csa_pallas.validation import Problem
+
+
+def pallas_unsupported_reason(problem: Problem) -> Optional[str]:
+    """Why the Pallas kernels cannot run this problem, or None when they can."""
+    if problem.sparse:
+        return "sparse (top-k) mode has no Pallas kernel yet; pass implementation='xla'"
+    from csa_pallas import ops
+    return ops.window_supported_reason(problem)
+
+
+def choose_implementation(problem: Problem) -> str:
+    if problem.implementation == "xla":
+        return "xla"
+    reason = pallas_unsupported_reason(problem)
+    if problem.implementation == "pallas":
+        if reason is not None:
+            raise NotImplementedError(f"implementation='pallas': {reason}")
+        return "pallas"
+    return "xla" if reason is not None else "pallas"
+
+
+def _problem(q, compressed_kv, kwargs) -> Problem:
+    return validation.validate(q, compressed_kv, **kwargs)
+
+
+def indexer_distill_loss(
+    indexer_logits: jax.Array,
+    q: jax.Array,
+    compressed_kv: jax.Array,
+    *,
+    topk_indices=None,
+    window_kv=None,
+    sinks=None,
+    noncompressed_lse=None,
+    full_lse=None,
+    segment_ids=None,
+    positions=None,
+    kv_segment_ids=None,
+    kv_positions=None,
+    compress_ratio: int = 4,
+    window_size: int = 128,
+    softmax_scale: Optional[float] = None,
+    target: str = "joint",
+    reduction: str = "mean",
+    scale=1.0,
+    head_chunk: Optional[int] = None,
+    implementation: Optional[str] = None,
+) -> jax.Array:
+    """DeepSeek-V4 CSA lightning-indexer distillation loss KL(P || softmax_V(I)) (SPEC §3-§5).
+
+    Args:
+      indexer_logits: the student scores I, float [B, S, N] (dense) or [B, S, K] (sparse, slot k of
+        `topk_indices`). The only differentiable input.
+      q: attention queries after RoPE, float [B, S, H, D] (bf16 or f32). Teacher side, gets zero gradient.
+      compressed_kv: the CSA compressed KV blocks, float [B, N, D] with N = S_kv // compress_ratio.
+      topk_indices: int [B, S, K] selected blocks (-1 = empty slot); switches to sparse mode.
+      window_kv: float [B, S_kv, D] keys of the sliding-window branch (joint target).
+      sinks: float [H] per-head sink logits (joint target, with window_kv).
+      noncompressed_lse: f32 [B, S, H], u of SPEC §3 when the caller has it (instead of window_kv/sinks).
+      full_lse: f32 [B, S, H], the layer's full log-partition F; skips the teacher's LSE pass.
+      segment_ids, positions: int [B, S] packing (default one document, positions 0..S-1).
+      kv_segment_ids, kv_positions: int [B, S_kv] key side (default: the query side's).
+      compress_ratio: m, tokens per compressed block. window_size: W, sliding window keys incl. the query.
+      softmax_scale: tau (default D**-0.5). target: "joint" (layer's joint softmax) or "per_head".
+      reduction: "mean" (over non-empty rows), "mean_all" (over B*S), "sum" or "none" ([B, S] rows).
+      scale: loss coefficient multiplying the result.
+      head_chunk: heads per VMEM tile (any divisor of H; default from the kernel config).
+      implementation: None, "xla" or "pallas" (module docstring).
+
+    Returns:
+      f32 scalar, or f32 [B, S] for reduction="none".
+    """
+    problem = _problem(q, compressed_kv, dict(
+        topk_indices=topk_indices, window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse,
+        full_lse=full_lse, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
+        kv_positions=kv_positions, compress_ratio=compress_ratio, window_size=window_size,
+        softmax_scale=softmax_scale, target=target, head_chunk=head_chunk, implementation=implementation))
+    validation.validate_logits(indexer_logits, problem)
+    validation.check_reduction_args(reduction, scale)
+    if choose_implementation(problem) == "xla":
+        return reference.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale)
+    from csa_pallas import ops
+    return ops.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale)
+
+
+def teacher_distribution(
+    q: jax.Array,
+    compressed_kv: jax.Array,
+    *,
+    topk_indices=None,
+    window_kv=None,
+    sinks=None,
+    noncompressed_lse=None,
+    full_lse=None,
+    segment_ids=None,
+    positions=None,
+    kv_segment_ids=None,
+    kv_positions=None,
+    compress_ratio: int = 4,
+    window_size: int = 128,
+    softmax_scale: Optional[float] = None,
+    target: str = "joint",
+    head_chunk: Optional[int] = None,
+    implementation: Optional[str] = None,
+) -> jax.Array:
+    """The detached target P of SPEC §3: f32 [B, S, N] (dense) or [B, S, K] (sparse, slot order).
+
+    Same teacher-side arguments as `indexer_distill_loss`. Entries outside V(t) and empty rows are 0.
+    """
+    problem = _problem(q, compressed_kv, dict(
+        topk_indices=topk_indices, window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse,
+        full_lse=full_lse, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
+        kv_positions=kv_positions, compress_ratio=compress_ratio, window_size=window_size,
+        softmax_scale=softmax_scale, target=target, head_chunk=head_chunk, implementation=implementation))
+    if choose_implementation(problem) == "xla":
+        return reference.teacher(problem)[0]
+    from csa_pallas import ops
+    return ops.teacher_distribution(problem)
+
+
+def noncompressed_lse(
+    q: jax.Array,
+    window_kv: jax.Array,
+    *,
+    sinks=None,
+    segment_ids=None,
+    positions=None,
+    kv_segment_ids=None,
+    kv_positions=None,
+    window_size: int = 128,
+    softmax_scale: Optional[float] = None,
+    head_chunk: Optional[int] = None,
+    implementation: Optional[str] = None,
+) -> jax.Array:
+    """u of SPEC §3: logaddexp(logsumexp over the query's window keys of tau q.k, sink); f32 [B, S, H].
+
+    Args as in `indexer_distill_loss`; window_kv is float [B, S_kv, D].
+    """
+    problem = validation.validate_window_args(
+        q, window_kv, sinks=sinks, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
+        kv_positions=kv_positions, window_size=window_size, softmax_scale=softmax_scale, head_chunk=head_chunk,
+        implementation=implementation)
+    if choose_implementation(problem) == "xla":
+        return reference.noncompressed_lse(problem)
+    from csa_pallas import ops
+    return ops.noncompressed_lse(problem)

@@ -1,0 +1,1 @@
+"""Pallas TPU kernels, one module per kernel family; `common` holds the shared layout helpers."""

@@ -1,0 +1,216 @@
+"""Layout helpers shared by the kernels.
+
+Conventions (splash-attention style, adapted):
+  * Query metadata travels as one lane-dense int32 array qmeta [B, S, 128]: lane 0 = segment id, lane 1 = position.
+  * Key metadata travels as kmeta [B, 8, N] (or [B, 8, S_kv] for window keys): row 0 = segment, row 1 = end
+    position of the block (or position of the key). Both load as natively tiled (8, 128) blocks.
+  * Per-row statistics inside a kernel are columns [R, 1]; in HBM they are stored lane-dense in the layout
+    [B, n_chunks, n_q_tiles, rows_per_chunk, block_q] so that every block's last two dims are full array dims
+    (legal for any block_q). `column_to_rows` / `rows_to_column` convert between the two inside a kernel with an
+    identity-mask reduction (O(block_q^2) VPU work, once per grid step), which lowers on Mosaic for any block_q.
+  * Integer division in index maps uses lax.div / lax.rem: jnp's `//` lowers through `sign`, which asks for the
+    TPU generation at trace time and fails on a CPU host.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+LANES = 128
+SUBLANES = 8
+# A finite floor for running maxima: exp(floor - floor) = 1 keeps the online rescale NaN-free on fully masked tiles.
+STAT_FLOOR = -1e30
+F32_TINY = float(jnp.finfo(jnp.float32).tiny)
+# Padded query rows get this position: no block end and no window key is <= it, so they see nothing.
+PAD_POSITION = jnp.iinfo(jnp.int32).min
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sublane_multiple(dtype) -> int:
+    """Rows per native tile: 8 for 32-bit, 16 for 16-bit dtypes."""
+    return SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def zigzag(i, num_tiles: int):
+    """Grid index -> query tile: 0, n-1, 1, n-2, ... so both TensorCores get equal causal work."""
+    half = lax.div(i, 2)
+    return jnp.where(lax.rem(i, 2) == 0, half, num_tiles - 1 - half)
+
+
+def query_meta(segment_ids, positions, padded_len: int):
+    """[B, S] segment ids and positions -> qmeta int32 [B, padded_len, 128] (lane 0 segment, lane 1 position)."""
+    b, s = segment_ids.shape
+    pad = padded_len - s
+    seg = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge") if pad else segment_ids
+    pos = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=PAD_POSITION) if pad else positions
+    meta = jnp.zeros((b, padded_len, LANES), jnp.int32)
+    return meta.at[:, :, 0].set(seg).at[:, :, 1].set(pos)
+
+
+def key_meta(segments, ends, padded_len: int, pad_end):
+    """[B, N] segments and end positions -> kmeta int32 [B, 8, padded_len]; padding gets end `pad_end`."""
+    b, n = segments.shape
+    pad = padded_len - n
+    if pad:
+        segments = jnp.pad(segments, ((0, 0), (0, pad)), mode="edge" if n else "constant")
+        ends = jnp.pad(ends, ((0, 0), (0, pad)), constant_values=pad_end)
+    meta = jnp.zeros((b, SUBLANES, padded_len), jnp.int32)
+    return meta.at[:, 0, :].set(segments).at[:, 1, :].set(ends)
+
+
+def stats_to_kernel_layout(x, head_chunk: int, block_q: int):
+    """f32 [B, S_p, H] per-(row, head) statistics -> [B, H/hc, S_p/bq, hc, bq] (lane-dense per block)."""
+    b, s, h = x.shape
+    x = x.reshape(b, s // block_q, block_q, h // head_chunk, head_chunk)
+    return jnp.transpose(x, (0, 3, 1, 4, 2))
+
+
+def stats_from_kernel_layout(x):
+    """Inverse of `stats_to_kernel_layout`: [B, nh, nq, hc, bq] -> [B, S_p, H]."""
+    b, nh, nq, hc, bq = x.shape
+    return jnp.transpose(x, (0, 2, 4, 1, 3)).reshape(b, nq * bq, nh * hc)
+
+
+def rows_to_column(x):
+    """[G, bq] lane-dense values -> [G*bq, 1] column, row g*bq + t holding x[g, t]."""
+    g, bq = x.shape
+    eye = lax.broadcasted_iota(jnp.int32, (bq, bq), 0) == lax.broadcasted_iota(jnp.int32, (bq, bq), 1)
+    spread = jnp.broadcast_to(x[:, None, :], (g, bq, bq))
+    col = jnp.sum(jnp.where(eye[None], spread, 0.0), axis=2, keepdims=True)  # [g, bq, 1]
+    return col.reshape(g * bq, 1)
+
+
+def column_to_rows(col, groups: int):
+    """[G*bq, 1] column -> [G, bq] lane-dense (inverse of `rows_to_column`)."""
+    bq = col.shape[0] // groups
+    eye = lax.broadcasted_iota(jnp.int32, (bq, bq), 0) == lax.broadcasted_iota(jnp.int32, (bq, bq), 1)
+    spread = jnp.broadcast_to(col.reshape(groups, bq, 1), (groups, bq, bq))
+    return jnp.sum(jnp.where(eye[None], spread, 0.0), axis=1)  # [g, bq]
+
+
+def lane_chunks(x, lanes: int):
+    """Split the last dim of x into static chunks of `lanes` lanes (one vreg column each)."""
+    width = x.shape[-1]
+    return [x[..., j:j + lanes] for j in range(0, width, lanes)]
+
+
+def online_lse_update(m_ref, l_ref, z, lanes: int):
+    """Per-lane running max/sum update with the scores z [..., bk] (masked entries -inf).
+
+    m_ref, l_ref: f32 [..., lanes]. Keeping the statistics per lane defers the cross-lane reduction to the end of
+    the pass (`finish_lse`) instead of paying it on every tile.
+    """
+    chunks = lane_chunks(z, lanes)
+    m_old = m_ref[...]
+    m_new = m_old
+    for c in chunks:
+        m_new = jnp.maximum(m_new, c)
+    acc = l_ref[...] * jnp.exp(m_old - m_new)
+    for c in chunks:
+        acc = acc + jnp.exp(c - m_new)
+    m_ref[...] = m_new
+    l_ref[...] = acc
+
+
+def finish_lse(m, l):
+    """Reduce per-lane (max, sum) [..., lanes] to a log-sum-exp column [..., 1]; -inf where nothing was seen."""
+    row_max = jnp.max(m, axis=-1, keepdims=True)
+    total = jnp.sum(l * jnp.exp(m - row_max), axis=-1, keepdims=True)
+    return jnp.where(total > 0, row_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
+def compact_tile_table(need):
+    """bool [B, nq, nk] -> (tiles int32 [B*nq*nk], counts int32 [B*nq]).
+
+    Row (b, i) of `tiles` lists the needed kv tiles in increasing order, then repeats the last one (so the pipeline
+    does not fetch anything for the padding steps); counts[b, i] = number of needed tiles.
+    """
+    b, nq, nk = need.shape
+    order = jnp.argsort(jnp.logical_not(need), axis=-1, stable=True).astype(jnp.int32)
+    counts = jnp.sum(need, axis=-1).astype(jnp.int32)
+    last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
+    k = jnp.arange(nk, dtype=jnp.int32)
+    tiles = jnp.where(k < counts[..., None], order, jnp.where(counts[..., None] > 0, last, 0))
+    return tiles.reshape(-1), counts.reshape(-1)
+
+
+def fetch_table(need):
+    """bool [B, nq, nk] -> int32 [B*nq*nk]: tile to fetch at natural step k (k itself when needed, else the last
+    needed tile before k, else the first needed tile), so skipped steps re-use the resident block."""
+    b, nq, nk = need.shape
+    k = jnp.arange(nk, dtype=jnp.int32)
+    prev = lax.cummax(jnp.where(need, k, -1), axis=2)
+    first = jnp.argmax(need, axis=-1).astype(jnp.int32)[..., None]
+    return jnp.where(prev >= 0, prev, first).astype(jnp.int32).reshape(-1)
+
+
+def tile_need(qmeta, kmeta, block_q: int, block_k: int):
+    """Conservative per-(query tile, key tile) visibility for dense mode: bool [B, nq, nk].
+
+    A key tile is needed by a query tile when some valid block in it could be visible to some query of the tile:
+    its smallest end position <= the tile's largest query position and the two segment ranges overlap. The
+    kernels apply the exact mask inside; this only decides which tiles are fetched and computed.
+    """
+    b, s_p, _ = qmeta.shape
+    n_p = kmeta.shape[2]
+    qseg = qmeta[:, :, 0].reshape(b, s_p // block_q, block_q)
+    qpos = qmeta[:, :, 1].reshape(b, s_p // block_q, block_q)
+    kseg = kmeta[:, 0, :].reshape(b, n_p // block_k, block_k)
+    kend = kmeta[:, 1, :].reshape(b, n_p // block_k, block_k)
+    big = jnp.iinfo(jnp.int32).max
+    valid = kend != big
+    k_min_end = jnp.min(kend, axis=-1)
+    k_min_seg = jnp.min(jnp.where(valid, kseg, big), axis=-1)
+    k_max_seg = jnp.max(jnp.where(valid, kseg, -big - 1), axis=-1)
+    q_max_pos = jnp.max(qpos, axis=-1)
+    q_min_seg = jnp.min(qseg, axis=-1)
+    q_max_seg = jnp.max(qseg, axis=-1)
+    return ((k_min_end[:, None, :] <= q_max_pos[:, :, None])
+            & (k_min_seg[:, None, :] <= q_max_seg[:, :, None])
+            & (k_max_seg[:, None, :] >= q_min_seg[:, :, None]))
+
+
+def gather_head_rows(q_ref, rows_ref, chunk, *, head_chunk: int, group: int, block_q: int):
+    """Copies the chunk's heads from a q block [bq, group, D] into head-major rows [hc*bq, D].
+
+    When the fetched group holds several chunks, the chunk's offset inside it is dynamic; Mosaic only indexes the
+    head (sublane) dim statically, so each possible offset gets its own `pl.when` branch.
+    """
+    from jax.experimental import pallas as pl  # local: keeps this module importable without pallas users
+
+    options = group // head_chunk
+    sub = lax.rem(chunk * head_chunk, group) if options > 1 else 0
+    for o in range(options):
+        @pl.when(sub == o * head_chunk)
+        def _():
+            for h in range(head_chunk):
+                rows_ref[h * block_q:(h + 1) * block_q, :] = q_ref[:, o * head_chunk + h, :]
+
+
+def head_group(num_heads: int, head_chunk: int, dtype) -> int:
+    """Heads per fetched q block: the chunk itself when it is a legal block dim (a multiple of the sublane tile,
+    or all heads), else the smallest legal multiple of it that divides H."""
+    sub = sublane_multiple(dtype)
+    if head_chunk == num_heads or head_chunk % sub == 0:
+        return head_chunk
+    for g in range(head_chunk, num_heads + 1, head_chunk):
+        if num_heads % g == 0 and (g % sub == 0 or g == num_heads):
+            return g
+    return num_heads
+
+
+def logaddexp(a, b):
+    """logaddexp that lowers in Mosaic and keeps -inf + -inf = -inf without NaN."""
+    hi = jnp.maximum(a, b)
+    lo = jnp.minimum(a, b)
+    safe_hi = jnp.where(hi == -jnp.inf, 0.0, hi)
+    return jnp.where(hi == -jnp.inf, -jnp.inf, safe_hi + jnp.log(1.0 + jnp.exp(lo - safe_hi)))

@@ -1,0 +1,231 @@
+"""Fused KL(P || softmax_V(I)) forward and backward kernels (SPEC §4-§5).
+
+Forward, grid (B*nq "parallel", nk "arbitrary") over the kv tiles a query tile needs (same compacted table as the
+teacher): one pass over P and I tiles keeps, per lane, the student's running max/sum and the partial sums
+  s1 = sum P log P,   a = sum P (I - m),   s3 = sum P,   count = |V(t)|
+where m is the lane's running max (re-based when m grows, so no large terms cancel). At the end
+  lse = logsumexp_V(I),   KL = s1 - sum_lanes (a + s3 (m - lse)).
+Outputs per row (stats [B, nq, 8, bq]): row 0 KL, row 1 lse, row 2 sum P, row 3 non-empty flag.
+
+Backward, grid (B*nq, nk) over every kv tile (it writes the whole gradient):
+  dI = coef * (exp(I - lse) * sum P - P) on V(t), 0 elsewhere,
+with coef = the incoming per-row cotangent (scale * g / n after the reduction's own VJP). exp(I - lse)*sum P - P
+is the exact derivative of the KL actually computed; it equals SPEC §5's Q - P whenever the teacher row has mass 1.
+Tiles no query of the tile can see are written as zeros without reading P or I.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_pallas.kernels import common
+
+STAT_ROWS = 8  # KL, lse, sum P, non-empty, padding to one sublane tile
+MiB = 1 << 20
+
+
+def _visible(qmeta_ref, kmeta_ref):
+    return (kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (kmeta_ref[1:2, :] <= qmeta_ref[:, 1:2])
+
+
+def _fwd_kernel(tiles_ref, counts_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, stats_ref, m_ref, l_ref, s1_ref, a_ref,
+                s3_ref, cnt_ref, *, nq, nk, block_q, block_k):
+    lanes = min(common.LANES, block_k)
+    pid = pl.program_id(0)
+    k = pl.program_id(1)
+    b = lax.div(pid, nq)
+    qi = common.zigzag(lax.rem(pid, nq), nq)
+    count = counts_ref[b * nq + qi]
+
+    @pl.when(k == 0)
+    def _():
+        m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
+        for ref in (l_ref, s1_ref, a_ref, s3_ref, cnt_ref):
+            ref[...] = jnp.zeros(ref.shape, jnp.float32)
+
+    @pl.when(k < count)
+    def _():
+        visible = _visible(qmeta_ref, kmeta_ref)
+        x = jnp.where(visible, i_ref[...].astype(jnp.float32), -jnp.inf)
+        prob = jnp.where(visible, p_ref[...], 0.0)
+        xs = common.lane_chunks(x, lanes)
+        ps = common.lane_chunks(prob, lanes)
+        vs = common.lane_chunks(visible, lanes)
+        m_old = m_ref[...]
+        m_new = m_old
+        for xc in xs:
+            m_new = jnp.maximum(m_new, xc)
+        l_acc = l_ref[...] * jnp.exp(m_old - m_new)
+        a_acc = a_ref[...] + s3_ref[...] * (m_old - m_new)
+        s1_acc, s3_acc, cnt_acc = s1_ref[...], s3_ref[...], cnt_ref[...]
+        for xc, pc, vc in zip(xs, ps, vs):
+            l_acc = l_acc + jnp.exp(xc - m_new)
+            positive = pc > 0
+            a_acc = a_acc + jnp.where(positive, pc * (xc - m_new), 0.0)
+            s1_acc = s1_acc + jnp.where(positive, pc * jnp.log(jnp.where(positive, pc, 1.0)), 0.0)
+            s3_acc = s3_acc + pc
+            cnt_acc = cnt_acc + vc.astype(jnp.float32)
+        m_ref[...] = m_new
+        l_ref[...] = l_acc
+        a_ref[...] = a_acc
+        s1_ref[...] = s1_acc
+        s3_ref[...] = s3_acc
+        cnt_ref[...] = cnt_acc
+
+    @pl.when(k == nk - 1)
+    def _():
+        lse = common.finish_lse(m_ref[...], l_ref[...])  # [bq, 1]
+        nonempty = jnp.sum(cnt_ref[...], axis=1, keepdims=True) > 0
+        lse = jnp.where(nonempty, lse, 0.0)
+        s3 = s3_ref[...]
+        kl = jnp.sum(s1_ref[...], axis=1, keepdims=True) - jnp.sum(
+            a_ref[...] + s3 * (m_ref[...] - lse), axis=1, keepdims=True)
+        kl = jnp.where(nonempty, kl, 0.0)
+        psum = jnp.sum(s3, axis=1, keepdims=True)
+        zeros = jnp.zeros_like(kl)
+        cols = jnp.concatenate([kl, lse, psum, nonempty.astype(jnp.float32)] + [zeros] * (STAT_ROWS - 4), axis=0)
+        stats_ref[...] = common.column_to_rows(cols, STAT_ROWS)
+
+
+def kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, *, block_q: int, block_k: int, interpret=False):
+    """Per-row KL and student statistics.
+
+    Args:
+      target: P, f32 [B, S_p, N_p]; logits: I, float [B, S_p, N_p]; qmeta [B, S_p, 128], kmeta [B, 8, N_p];
+      tiles, counts: the compacted kv-tile table of the teacher (same block_q, block_k).
+
+    Returns:
+      f32 [B, nq, 8, bq]: row 0 KL, row 1 lse (0 on empty rows), row 2 sum P, row 3 non-empty (1/0).
+    """
+    b, s_p, n_p = target.shape
+    bq, bk = block_q, block_k
+    nq, nk = s_p // bq, n_p // bk
+    lanes = min(common.LANES, bk)
+
+    def tile_map(pid, k, tiles_ref, counts_ref):
+        bb = lax.div(pid, nq)
+        qi = common.zigzag(lax.rem(pid, nq), nq)
+        return bb, qi, tiles_ref[(bb * nq + qi) * nk + k]
+
+    def p_map(pid, k, tiles_ref, counts_ref):
+        return tile_map(pid, k, tiles_ref, counts_ref)
+
+    def kmeta_map(pid, k, tiles_ref, counts_ref):
+        bb, _, tile = tile_map(pid, k, tiles_ref, counts_ref)
+        return bb, 0, tile
+
+    def row_map(pid, k, tiles_ref, counts_ref):
+        bb, qi, _ = tile_map(pid, k, tiles_ref, counts_ref)
+        return bb, qi, 0
+
+    def stats_map(pid, k, tiles_ref, counts_ref):
+        bb, qi, _ = tile_map(pid, k, tiles_ref, counts_ref)
+        return bb, qi, 0, 0
+
+    kernel = functools.partial(_fwd_kernel, nq=nq, nk=nk, block_q=bq, block_k=bk)
+    vmem = 2 * (2 * bq * bk * 4 + bq * common.LANES * 4 + common.SUBLANES * max(bk, 128) * 4) + 6 * bq * 128 * 4
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b * nq, nk),
+            in_specs=[pl.BlockSpec((None, bq, bk), p_map), pl.BlockSpec((None, bq, bk), p_map),
+                      pl.BlockSpec((None, bq, common.LANES), row_map),
+                      pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map)],
+            out_specs=pl.BlockSpec((None, None, STAT_ROWS, bq), stats_map),
+            scratch_shapes=[pltpu.VMEM((bq, lanes), jnp.float32) for _ in range(6)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((b, nq, STAT_ROWS, bq), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=max(32 * MiB, 2 * vmem + 8 * MiB)),
+        interpret=interpret,
+        name=f"csa_kl_fwd_bq{bq}_bk{bk}",
+    )(tiles, counts, target, logits, qmeta, kmeta)
+
+
+def _bwd_kernel(fetch_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, rowstats_ref, grad_ref, cols_ref, *, nq, nk,
+                block_q):
+    pid = pl.program_id(0)
+    k = pl.program_id(1)
+    b = lax.div(pid, nq)
+    qi = lax.rem(pid, nq)
+
+    @pl.when(k == 0)
+    def _():
+        cols_ref[...] = common.rows_to_column(rowstats_ref[...]).reshape(STAT_ROWS, block_q, 1)
+
+    needed = fetch_ref[(b * nq + qi) * nk + k] == k
+
+    @pl.when(needed)
+    def _():
+        visible = _visible(qmeta_ref, kmeta_ref)
+        lse, coef, psum = cols_ref[0], cols_ref[1], cols_ref[2]  # [bq, 1] each
+        logits = jnp.where(visible, i_ref[...].astype(jnp.float32), 0.0)
+        student = jnp.exp(logits - lse)
+        grad = jnp.where(visible, coef * (student * psum - p_ref[...]), 0.0)
+        grad_ref[...] = grad.astype(grad_ref.dtype)
+
+    @pl.when(jnp.logical_not(needed))
+    def _():
+        grad_ref[...] = jnp.zeros(grad_ref.shape, grad_ref.dtype)
+
+
+def kl_backward_pallas(target, logits, qmeta, kmeta, fetch, rowstats, *, block_q: int, block_k: int,
+                       interpret=False):
+    """Gradient of sum_t coef[t] * KL[t] wrt the logits.
+
+    Args:
+      target, logits, qmeta, kmeta: as in `kl_forward_pallas`.
+      fetch: int32 [B*nq*nk] from `common.fetch_table` (which tile to have resident at natural step k).
+      rowstats: f32 [B, nq, 8, bq]: row 0 lse, row 1 coef, row 2 sum P (rest unused).
+
+    Returns:
+      dI with the logits' dtype, [B, S_p, N_p].
+    """
+    b, s_p, n_p = target.shape
+    bq, bk = block_q, block_k
+    nq, nk = s_p // bq, n_p // bk
+
+    def in_map(pid, k, fetch_ref):
+        bb = lax.div(pid, nq)
+        qi = lax.rem(pid, nq)
+        return bb, qi, fetch_ref[(bb * nq + qi) * nk + k]
+
+    def kmeta_map(pid, k, fetch_ref):
+        return lax.div(pid, nq), 0, k
+
+    def row_map(pid, k, fetch_ref):
+        return lax.div(pid, nq), lax.rem(pid, nq), 0
+
+    def stats_map(pid, k, fetch_ref):
+        return lax.div(pid, nq), lax.rem(pid, nq), 0, 0
+
+    def out_map(pid, k, fetch_ref):
+        return lax.div(pid, nq), lax.rem(pid, nq), k
+
+    kernel = functools.partial(_bwd_kernel, nq=nq, nk=nk, block_q=bq)
+    vmem = 2 * (3 * bq * bk * 4 + bq * common.LANES * 4 + common.SUBLANES * max(bk, 128) * 4)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b * nq, nk),
+            in_specs=[pl.BlockSpec((None, bq, bk), in_map), pl.BlockSpec((None, bq, bk), in_map),
+                      pl.BlockSpec((None, bq, common.LANES), row_map),
+                      pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map),
+                      pl.BlockSpec((None, None, STAT_ROWS, bq), stats_map)],
+            out_specs=pl.BlockSpec((None, bq, bk), out_map),
+            scratch_shapes=[pltpu.VMEM((STAT_ROWS, bq, 1), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((b, s_p, n_p), logits.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=max(32 * MiB, 2 * vmem + 8 * MiB)),
+        interpret=interpret,
+        name=f"csa_kl_bwd_bq{bq}_bk{bk}",
+    )(fetch, target, logits, qmeta, kmeta, rowstats)

@@ -1,0 +1,305 @@
+"""Dense block-compressed teacher P (SPEC §3) as one Pallas TPU kernel.
+
+Grid (B*nq "parallel", H/hc "arbitrary", passes*nk "arbitrary"):
+  * axis 0 walks (batch, query tile) pairs; query tiles are visited in zig-zag order so the two TensorCores of a
+    v5p chip get the same causal work;
+  * axis 1 walks head chunks of `head_chunk` heads (MaxText's `mla_qk_head_chunk_size` as a VMEM tile);
+  * axis 2 walks the kv tiles a query tile needs (compacted block table via scalar prefetch, splash style: tiles
+    no query of the tile can see are neither fetched nor computed), once for the log-sum-exp (pass 1) and once for
+    the probabilities (pass 2). With `full_lse` given there is only pass 2; with `cache_scores` pass 2 re-reads the
+    masked scores pass 1 left in VMEM instead of a second matmul.
+
+Per step the hc heads of bq queries form R = hc*bq rows [R, D] (head-major) against one kv tile [bk, D]: one MXU
+call, f32 accumulation. Running max/sum are kept per lane ([hc, bq, 128]) and reduced across lanes once per pass.
+The head-summed probabilities accumulate in the resident output block [bq, N_p] (f32); after the last head chunk
+the block is L1-normalised in place. No [B, H, S, N] tensor ever exists, in HBM or VMEM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_pallas.kernels import common
+
+MODES = ("per_head", "joint", "full_lse")
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+    """Tiling of the dense teacher kernel.
+
+    block_q: queries per tile (multiple of 16). block_k: compressed blocks per kv tile (multiple of 128, or the
+    whole padded N when N <= 128). head_chunk: heads per step (divisor of H). cache_scores: keep pass-1 scores in
+    VMEM (one matmul instead of two) - only when they fit. vmem_limit_bytes: Mosaic scoped-VMEM limit.
+    """
+
+    block_q: int
+    block_k: int
+    head_chunk: int
+    cache_scores: bool
+    vmem_limit_bytes: int
+
+    def __post_init__(self):
+        if self.block_q < 16 or self.block_q % 16:
+            raise ValueError(f"block_q: expected a positive multiple of 16, got {self.block_q}")
+        if self.block_k < 1 or (self.block_k > 128 and self.block_k % 128):
+            raise ValueError(f"block_k: expected a multiple of 128 (or <= 128), got {self.block_k}")
+        if self.head_chunk < 1:
+            raise ValueError(f"head_chunk: expected >= 1, got {self.head_chunk}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipBudget:
+    """Per-generation VMEM budget used by the config heuristics."""
+
+    name: str
+    vmem_bytes: int
+    target_rows: int  # R = hc * bq rows per MXU call that the v5p estimate liked best
+
+
+CHIPS = {
+    "v5p": ChipBudget("v5p", vmem_bytes=64 * MiB, target_rows=4096),
+    "v5e": ChipBudget("v5e", vmem_bytes=128 * MiB, target_rows=4096),
+    "v6e": ChipBudget("v6e", vmem_bytes=128 * MiB, target_rows=4096),
+}
+DEFAULT_CHIP = "v5p"
+USABLE_VMEM_FRACTION = 0.85
+
+
+def padded_blocks(num_blocks: int, block_k: int) -> int:
+    return common.round_up(max(num_blocks, 1), block_k)
+
+
+def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks: int, dtype, mode: str) -> int:
+    """Upper estimate of the kernel's VMEM use: double-buffered blocks, scratch and f32 temporaries."""
+    isz = jnp.dtype(dtype).itemsize
+    bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
+    g = common.head_group(num_heads, hc, dtype)
+    n_p = padded_blocks(num_blocks, bk)
+    rows = hc * bq
+    lanes = min(common.LANES, bk)
+    blocks = 2 * (bq * common.round_up(g, 16) * head_dim * isz + bk * head_dim * isz + bq * common.LANES * 4
+                  + common.SUBLANES * max(bk, 128) * 4 + bq * n_p * 4)
+    if mode != "per_head":
+        blocks += 2 * common.round_up(hc, 8) * max(bq, 128) * 4
+    scratch = rows * head_dim * isz + 2 * rows * max(lanes, 128) * 4 + rows * 128 * 4
+    if cfg.cache_scores:
+        scratch += rows * n_p * 4
+    temporaries = 4 * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
+    return blocks + scratch + temporaries
+
+
+def default_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: int, dtype, mode: str,
+                   head_chunk: Optional[int] = None, chip: str = DEFAULT_CHIP) -> TeacherConfig:
+    """Tiles for one problem: R = hc*bq near the chip's target, kv tiles of 256, cached scores when they fit."""
+    budget = CHIPS[chip]
+    usable = int(budget.vmem_bytes * USABLE_VMEM_FRACTION)
+    bq = min(64, common.round_up(max(seq_len, 1), 16))
+    n16 = common.round_up(max(num_blocks, 1), 16)
+    bk = n16 if n16 <= 128 else 256
+    if head_chunk is None:
+        head_chunk = max(d for d in range(1, num_heads + 1)
+                         if num_heads % d == 0 and d * bq <= budget.target_rows)
+    while True:
+        for cache in (True, False):
+            cfg = TeacherConfig(bq, bk, head_chunk, cache, 0)
+            need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, num_blocks=num_blocks, dtype=dtype,
+                              mode=mode)
+            if need <= usable or (not cache and bq == 16):
+                limit = min(max(int(need * 1.25) + 4 * MiB, 32 * MiB), budget.vmem_bytes)
+                return dataclasses.replace(cfg, vmem_limit_bytes=limit)
+        bq //= 2
+
+
+def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, nq, nk, nh,
+            block_q, block_k, head_chunk, group, scale):
+    if mode == "per_head":
+        lse_ref = None
+        out_ref, rows_ref, m_ref, l_ref, f_ref, *cache = refs
+    else:
+        lse_ref, out_ref, rows_ref, m_ref, l_ref, f_ref, *cache = refs
+    cache_ref = cache[0] if cache_scores else None
+    bq, bk, hc = block_q, block_k, head_chunk
+    lanes = min(common.LANES, bk)
+    two_pass = mode != "full_lse"
+
+    p = pl.program_id(0)
+    c = pl.program_id(1)
+    step = pl.program_id(2)
+    b = lax.div(p, nq)
+    qi = common.zigzag(lax.rem(p, nq), nq)
+    row = b * nq + qi
+    count = counts_ref[row]
+    if two_pass:
+        in_pass1 = step < nk
+        k = jnp.where(in_pass1, step, step - nk)
+    else:
+        in_pass1 = False
+        k = step
+    tile = tiles_ref[row * nk + k]
+    active = k < count
+    last_step = (2 * nk if two_pass else nk) - 1
+
+    @pl.when((c == 0) & (step == 0))
+    def _():
+        out_ref[...] = jnp.zeros_like(out_ref)
+
+    @pl.when(step == 0)
+    def _():
+        common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
+        if two_pass:
+            m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        else:
+            f = common.rows_to_column(lse_ref[...].astype(jnp.float32)).reshape(hc, bq, 1)
+            f_ref[...] = jnp.where(jnp.isfinite(f), f, 0.0)
+
+    def masked_scores():
+        z = lax.dot_general(rows_ref[...], kv_ref[...], (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale
+        qseg = qmeta_ref[:, 0:1]
+        qpos = qmeta_ref[:, 1:2]
+        kseg = kmeta_ref[0:1, :]
+        kend = kmeta_ref[1:2, :]
+        visible = (kseg == qseg) & (kend <= qpos)  # [bq, bk]
+        return jnp.where(visible[None], z.reshape(hc, bq, bk), -jnp.inf)
+
+    if two_pass:
+        @pl.when(in_pass1 & active)
+        def _():
+            z = masked_scores()
+            common.online_lse_update(m_ref, l_ref, z, lanes)
+            if cache_scores:
+                cache_ref[k] = z
+
+        @pl.when(step == nk - 1)
+        def _():
+            lse = common.finish_lse(m_ref[...], l_ref[...])  # C: [hc, bq, 1]
+            if mode == "joint":
+                u = common.rows_to_column(lse_ref[...].astype(jnp.float32)).reshape(hc, bq, 1)
+                lse = common.logaddexp(u, lse)
+            f_ref[...] = jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+    @pl.when(jnp.logical_not(in_pass1) & active)
+    def _():
+        z = cache_ref[k] if cache_scores else masked_scores()
+        probs = jnp.sum(jnp.exp(z - f_ref[...]), axis=0)  # [bq, bk], summed over the chunk's heads
+        if bk == out_ref.shape[-1]:
+            out_ref[...] += probs
+        else:
+            start = pl.multiple_of(tile * bk, 128)
+            out_ref[:, pl.ds(start, bk)] += probs
+
+    @pl.when((c == nh - 1) & (step == last_step))
+    def _():
+        acc = out_ref[...]
+        total = jnp.sum(acc, axis=1, keepdims=True)
+        out_ref[...] = acc / jnp.maximum(total, common.F32_TINY)
+
+
+def teacher_pallas(q, kv, qmeta, kmeta, tiles, counts, lse_in, *, mode: str, cfg: TeacherConfig, scale: float,
+                   interpret=False):
+    """Runs the dense teacher kernel on padded, prepared inputs.
+
+    Args:
+      q: [B, S_p, H, D] (bf16/f32), S_p a multiple of cfg.block_q.
+      kv: [B, N_p, D] same dtype as q, N_p a multiple of cfg.block_k.
+      qmeta: int32 [B, S_p, 128]; kmeta: int32 [B, 8, N_p] (see `common`).
+      tiles, counts: compacted kv-tile table from `common.compact_tile_table`.
+      lse_in: None (per_head), u (joint) or F (full_lse), f32 in kernel layout [B, H/hc, S_p/bq, hc, bq].
+      mode: "per_head" | "joint" | "full_lse".
+
+    Returns:
+      P, f32 [B, S_p, N_p], rows L1-normalised (0 outside V(t) and on empty rows).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    b, s_p, h, d = q.shape
+    n_p = kv.shape[1]
+    bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
+    nq, nk, nh = s_p // bq, n_p // bk, h // hc
+    group = common.head_group(h, hc, q.dtype)
+    steps = 2 * nk if mode != "full_lse" else nk
+    cached = cfg.cache_scores and mode != "full_lse"
+
+    def decode(p, step, tiles_ref, counts_ref):
+        bb = lax.div(p, nq)
+        qi = common.zigzag(lax.rem(p, nq), nq)
+        row = bb * nq + qi
+        if mode == "full_lse":
+            k = step
+        elif cached:  # pass 2 reads VMEM: keep the last block resident
+            k = jnp.minimum(step, nk - 1)
+        else:
+            k = jnp.where(step < nk, step, step - nk)
+        return bb, qi, tiles_ref[row * nk + k]
+
+    def q_map(p, c, step, tiles_ref, counts_ref):
+        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
+        return bb, qi, lax.div(c * hc, group), 0
+
+    def kv_map(p, c, step, tiles_ref, counts_ref):
+        bb, _, tile = decode(p, step, tiles_ref, counts_ref)
+        return bb, tile, 0
+
+    def kmeta_map(p, c, step, tiles_ref, counts_ref):
+        bb, _, tile = decode(p, step, tiles_ref, counts_ref)
+        return bb, 0, tile
+
+    def row_map(p, c, step, tiles_ref, counts_ref):
+        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
+        return bb, qi, 0
+
+    def lse_map(p, c, step, tiles_ref, counts_ref):
+        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
+        return bb, c, qi, 0, 0
+
+    in_specs = [
+        pl.BlockSpec((None, bq, group, d), q_map),
+        pl.BlockSpec((None, bk, d), kv_map),
+        pl.BlockSpec((None, bq, common.LANES), row_map),
+        pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map),
+    ]
+    operands = [q, kv, qmeta, kmeta]
+    if mode != "per_head":
+        in_specs.append(pl.BlockSpec((None, None, None, hc, bq), lse_map))
+        operands.append(lse_in)
+    lanes = min(common.LANES, bk)
+    scratch = [
+        pltpu.VMEM((hc * bq, d), q.dtype),
+        pltpu.VMEM((hc, bq, lanes), jnp.float32),
+        pltpu.VMEM((hc, bq, lanes), jnp.float32),
+        pltpu.VMEM((hc, bq, 1), jnp.float32),
+    ]
+    if cached:
+        scratch.append(pltpu.VMEM((nk, hc, bq, bk), jnp.float32))
+    kernel = functools.partial(_kernel, mode=mode, cache_scores=cached, nq=nq, nk=nk, nh=nh, block_q=bq,
+                               block_k=bk, head_chunk=hc, group=group, scale=scale)
+    flops = 2 * b * s_p * h * n_p * d * (1 if cached or mode == "full_lse" else 2)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b * nq, nh, steps),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, bq, n_p), row_map),
+            scratch_shapes=scratch,
+        ),
+        out_shape=jax.ShapeDtypeStruct((b, s_p, n_p), jnp.float32),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=cfg.vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(flops=flops // 2, transcendentals=b * s_p * h * n_p,
+                                      bytes_accessed=q.size * q.dtype.itemsize + b * s_p * n_p * 4),
+        interpret=interpret,
+        name=f"csa_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}{'_cached' if cached else ''}",
+    )(tiles, counts, *operands)

@@ -1,0 +1,182 @@
+"""Window log-sum-exp (the window part of u, SPEC §3) as a Pallas TPU kernel.
+
+lse[t, h] = logsumexp_{j in Win(t)} tau q[t,h].window_kv[j]; the sink is folded in afterwards in XLA
+(u = logaddexp(lse, sinks[h]), a [B, S, H] elementwise op).
+
+Grid (B*nq "parallel", H/hc "arbitrary", band "arbitrary"): a query tile [q0, q0+bq) only looks at the key tiles
+overlapping [q0-W+1, q0+bq-1], a static band of ceil((bq+W-1)/bk)+1 tiles, so the cost is O(S*(W+bq)*H*D) and no
+[S, S_kv] anything exists. The exact window/segment rule is applied inside with iota-free metadata compares.
+
+Contract of the band (checked by the wrapper where it can be): key j of Win(t) lies in [t-W+1, t], i.e. the key
+sequence is the query sequence (S_kv == S) and positions strictly increase inside each document, as in MaxText
+packing. Other layouts must use implementation="xla" or pass `noncompressed_lse`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_pallas.kernels import common
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowConfig:
+    """block_q queries x block_k keys per step (block_k a multiple of 128, or the whole padded S when small);
+    head_chunk heads per step."""
+
+    block_q: int
+    block_k: int
+    head_chunk: int
+    vmem_limit_bytes: int
+
+    def __post_init__(self):
+        if self.block_q < 16 or self.block_q % 16:
+            raise ValueError(f"block_q: expected a positive multiple of 16, got {self.block_q}")
+        if self.block_k < 16 or (self.block_k > 128 and self.block_k % 128) or self.block_k % 16:
+            raise ValueError(f"block_k: expected a multiple of 128 (or of 16 when <= 128), got {self.block_k}")
+
+
+def padded_len(seq_len: int, cfg: WindowConfig) -> int:
+    return common.round_up(max(seq_len, 1), max(cfg.block_q, cfg.block_k))
+
+
+def band_tiles(cfg: WindowConfig, window_size: int, num_tiles: int) -> int:
+    return min(num_tiles, common.cdiv(cfg.block_q + window_size - 1, cfg.block_k) + 1)
+
+
+def vmem_bytes(cfg: WindowConfig, *, num_heads: int, head_dim: int, dtype) -> int:
+    isz = jnp.dtype(dtype).itemsize
+    bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
+    g = common.head_group(num_heads, hc, dtype)
+    rows = hc * bq
+    blocks = 2 * (bq * common.round_up(g, 16) * head_dim * isz + bk * head_dim * isz + bq * common.LANES * 4
+                  + common.SUBLANES * max(bk, 128) * 4 + common.round_up(hc, 8) * max(bq, 128) * 4)
+    scratch = rows * head_dim * isz + 2 * rows * 128 * 4
+    temporaries = 4 * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
+    return blocks + scratch + temporaries
+
+
+def default_config(*, num_heads: int, head_dim: int, seq_len: int, dtype, head_chunk=None,
+                   vmem_budget: int = 54 * MiB) -> WindowConfig:
+    small = common.round_up(max(seq_len, 1), 16)
+    bq = 128 if small > 128 else small
+    bk = 128 if small > 128 else small
+    if head_chunk is None:
+        head_chunk = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * bq <= 2048)
+    cfg = WindowConfig(bq, bk, head_chunk, 0)
+    need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, dtype=dtype)
+    if need > vmem_budget and bq > 16:
+        cfg = WindowConfig(bq // 2 if bq > 16 else bq, bk, head_chunk, 0)
+        need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, dtype=dtype)
+    return dataclasses.replace(cfg, vmem_limit_bytes=min(max(int(need * 1.25) + 4 * MiB, 32 * MiB), 64 * MiB))
+
+
+def _kernel(q_ref, kv_ref, qmeta_ref, kmeta_ref, out_ref, rows_ref, m_ref, l_ref, *, nq, num_kv_tiles, block_q,
+            block_k, head_chunk, group, window_size, scale):
+    bq, bk, hc = block_q, block_k, head_chunk
+    p = pl.program_id(0)
+    c = pl.program_id(1)
+    k = pl.program_id(2)
+    qi = common.zigzag(lax.rem(p, nq), nq)
+    first, last = _band(qi, bq, bk, window_size, num_kv_tiles)
+
+    @pl.when(k == 0)
+    def _():
+        common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
+        m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+
+    @pl.when(first + k <= last)
+    def _():
+        z = lax.dot_general(rows_ref[...], kv_ref[...], (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale
+        delta = qmeta_ref[:, 1:2] - kmeta_ref[1:2, :]
+        inside = ((kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (delta >= 0) & (delta < window_size)
+                  & (kmeta_ref[2:3, :] != 0))
+        z = jnp.where(inside[None], z.reshape(hc, bq, bk), -jnp.inf)
+        common.online_lse_update(m_ref, l_ref, z, min(common.LANES, bk))
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _():
+        lse = common.finish_lse(m_ref[...], l_ref[...])  # [hc, bq, 1]
+        out_ref[...] = common.column_to_rows(lse.reshape(hc * bq, 1), hc)
+
+
+def _band(qi, bq, bk, window_size, num_kv_tiles):
+    first = lax.div(jnp.maximum(qi * bq - (window_size - 1), 0), bk)
+    last = jnp.minimum(lax.div(qi * bq + bq - 1, bk), num_kv_tiles - 1)
+    return first, last
+
+
+def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_size: int, scale: float,
+                      interpret=False):
+    """Window log-sum-exp per (query, head).
+
+    Args:
+      q: [B, S_p, H, D]; window_kv: [B, S_p, D] (same dtype); S_p = `padded_len(S, cfg)`.
+      qmeta: int32 [B, S_p, 128] (lane 0 segment, lane 1 position).
+      wmeta: int32 [B, 8, S_p] (row 0 segment, row 1 position, row 2 = 1 for real keys, 0 for padding).
+
+    Returns:
+      f32 [B, H/hc, S_p/bq, hc, bq] (kernel stats layout), -inf where the window is empty.
+    """
+    b, s_p, h, d = q.shape
+    bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
+    nq, nkt, nh = s_p // bq, s_p // bk, h // hc
+    band = band_tiles(cfg, window_size, nkt)
+    group = common.head_group(h, hc, q.dtype)
+
+    def kv_tile(p, k):
+        qi = common.zigzag(lax.rem(p, nq), nq)
+        first, last = _band(qi, bq, bk, window_size, nkt)
+        return lax.div(p, nq), jnp.minimum(first + k, last)
+
+    def q_map(p, c, k):
+        return lax.div(p, nq), common.zigzag(lax.rem(p, nq), nq), lax.div(c * hc, group), 0
+
+    def kv_map(p, c, k):
+        bb, tile = kv_tile(p, k)
+        return bb, tile, 0
+
+    def kmeta_map(p, c, k):
+        bb, tile = kv_tile(p, k)
+        return bb, 0, tile
+
+    def qmeta_map(p, c, k):
+        return lax.div(p, nq), common.zigzag(lax.rem(p, nq), nq), 0
+
+    def out_map(p, c, k):
+        return lax.div(p, nq), c, common.zigzag(lax.rem(p, nq), nq), 0, 0
+
+    kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, block_q=bq, block_k=bk, head_chunk=hc,
+                               group=group, window_size=window_size, scale=scale)
+    lanes = min(common.LANES, bk)
+    return pl.pallas_call(
+        kernel,
+        grid=(b * nq, nh, band),
+        in_specs=[
+            pl.BlockSpec((None, bq, group, d), q_map),
+            pl.BlockSpec((None, bk, d), kv_map),
+            pl.BlockSpec((None, bq, common.LANES), qmeta_map),
+            pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map),
+        ],
+        out_specs=pl.BlockSpec((None, None, None, hc, bq), out_map),
+        out_shape=jax.ShapeDtypeStruct((b, nh, nq, hc, bq), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((hc * bq, d), q.dtype), pltpu.VMEM((hc, bq, lanes), jnp.float32),
+                        pltpu.VMEM((hc, bq, lanes), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+                                             vmem_limit_bytes=cfg.vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(flops=2 * b * s_p * h * band * bk * d, transcendentals=b * s_p * h * band * bk,
+                                      bytes_accessed=q.size * q.dtype.itemsize),
+        interpret=interpret,
+        name=f"csa_window_lse_bq{bq}_bk{bk}_hc{hc}",
+    )(q, window_kv, qmeta, wmeta)

@@ -1,0 +1,64 @@
+"""Which compressed blocks, top-k slots and window keys a query may see (SPEC §2).
+
+Everything here is plain JAX on small integer arrays ([B, S], [B, N], [B, S, K]); it is shared by the reference
+and by the wrappers that prepare kernel inputs, so both see exactly the same masks.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+# End position given to invalid blocks: no query position (an int32) is >= it, so an invalid block is never visible
+# and no separate validity flag has to travel with the block keys.
+INVALID_BLOCK_END = jnp.iinfo(jnp.int32).max
+
+
+def block_keys(kv_segment_ids: jnp.ndarray, kv_positions: jnp.ndarray, compress_ratio: int, num_blocks: int):
+    """Per-block (segment, end position) keys.
+
+    Args:
+      kv_segment_ids, kv_positions: int32 [B, S_kv], the key-side tokens.
+      compress_ratio: m, tokens per block.
+      num_blocks: N (== S_kv // m).
+
+    Returns:
+      (block_segment, block_end), both int32 [B, N]. Block s covers key tokens [s*m, (s+1)*m); it is valid when
+      all m tokens share one segment, and then its end is the position of its last token. Invalid blocks (a block
+      straddling two documents) get end INVALID_BLOCK_END.
+    """
+    b = kv_segment_ids.shape[0]
+    m = compress_ratio
+    seg = kv_segment_ids[:, : num_blocks * m].reshape(b, num_blocks, m)
+    pos = kv_positions[:, : num_blocks * m].reshape(b, num_blocks, m)
+    valid = jnp.all(seg == seg[..., :1], axis=-1)
+    block_segment = seg[..., 0].astype(jnp.int32)
+    block_end = jnp.where(valid, pos[..., -1], INVALID_BLOCK_END).astype(jnp.int32)
+    return block_segment, block_end
+
+
+def block_visible(segment_ids, positions, block_segment, block_end):
+    """Dense visibility V(t): bool [B, S, N]; query t sees block s iff same segment and e(s) <= positions[t]."""
+    return (block_segment[:, None, :] == segment_ids[:, :, None]) & (block_end[:, None, :] <= positions[:, :, None])
+
+
+def slot_blocks(topk_indices, num_blocks: int):
+    """Clamp top-k indices into [0, N) so a gather never reads out of bounds; returns (safe_index, in_range)."""
+    in_range = (topk_indices >= 0) & (topk_indices < num_blocks)
+    return jnp.where(in_range, topk_indices, 0).astype(jnp.int32), in_range
+
+
+def slot_visible(topk_indices, segment_ids, positions, block_segment, block_end):
+    """Sparse V(t): bool [B, S, K]; slot k is valid iff its index is in [0, N) and that block is visible to t."""
+    num_blocks = block_segment.shape[1]
+    safe, in_range = slot_blocks(topk_indices, num_blocks)
+    take = lambda keys: jnp.take_along_axis(keys[:, None, :], safe, axis=2)  # [B,1,N] x [B,S,K] -> [B,S,K]
+    seg = take(block_segment)
+    end = take(block_end)
+    return in_range & (seg == segment_ids[:, :, None]) & (end <= positions[:, :, None])
+
+
+def window_visible(segment_ids, positions, kv_segment_ids, kv_positions, window_size: int):
+    """Win(t) as bool [B, S, S_kv]: same segment and 0 <= positions[t] - kv_positions[j] < W."""
+    delta = positions[:, :, None] - kv_positions[:, None, :]
+    same = segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    return same & (delta >= 0) & (delta < window_size)

@@ -1,0 +1,344 @@
+"""Flax wrappers of the CSA indexer distillation loss: one module per layer that computes and records the loss.
+
+`CSAIndexerLoss` (flax.nnx) and `CSAIndexerLossLinen` (flax.linen) hold the loss configuration and call
+`csa_pallas.indexer_distill_loss` (SPEC.md). Each call returns the scaled loss and also *sows* it under the name
+"indexer_loss" so model code can collect every layer's loss without threading it through return values, the way
+MaxText's train loop collects `indexer_loss` intermediates:
+
+    # NNX: capture the intermediates of one forward pass.
+    out, inter = nnx.capture(model, nnx.Intermediate)(x)
+    aux = jnp.mean(collect_indexer_losses(inter))          # mean over layers, like MaxText train.py
+
+    # Linen: make "intermediates" mutable.
+    out, state = model.apply(variables, x, mutable=["intermediates"])
+    aux = jnp.mean(collect_indexer_losses(state["intermediates"]))
+
+(Called outside `nnx.capture`, `Module.sow` falls back to flax's deprecated behaviour: it stores the value on the
+module as an `nnx.Intermediate` attribute, appending one entry per call; remove it with `nnx.pop(model,
+nnx.Intermediate)`.)
+
+Configuration: the constructors take the fields of `IndexerLossConfig`, or a MaxText config object (or dict) with
+`indexer_loss_scaling_factor`, `indexer_sparse_training`, `mla_qk_head_chunk_size`, `sliding_window_size`
+(see `IndexerLossConfig.from_maxtext_config`). Bad values raise ValueError / TypeError naming the field at
+construction time, not deep inside a traced computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+
+from csa_pallas import api
+from csa_pallas.validation import IMPLEMENTATIONS, REDUCTIONS, TARGETS
+
+__all__ = [
+    "SOW_NAME", "IndexerLossConfig", "CSAIndexerLoss", "CSAIndexerLossLinen", "collect_indexer_losses",
+]
+
+SOW_NAME = "indexer_loss"  # MaxText's intermediate name; its train loop collects it by this suffix
+
+# MaxText field -> our field.
+MAXTEXT_FIELDS = {
+    "indexer_loss_scaling_factor": "scale",
+    "indexer_sparse_training": "sparse_training",
+    "mla_qk_head_chunk_size": "head_chunk",
+    "sliding_window_size": "window_size",
+}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def _positive_int(name: str, value) -> int:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerLossConfig:
+    """Static configuration of the indexer loss (hashable: it lives in the module's static structure).
+
+    Attributes:
+      compress_ratio: m, key tokens per compressed block (4 for CSA).
+      window_size: W, keys of the sliding-window branch including the query itself (joint target only).
+      target: "joint" (the layer's single softmax over window ‖ compressed ‖ sink; needs window_kv or an LSE)
+        or "per_head" (each head normalised over the compressed blocks alone, MaxText PR #5033).
+      reduction: "mean" (over rows with a visible block), "mean_all" (over B*S), "sum", or "none" ([B, S]).
+      scale: the loss coefficient (MaxText `indexer_loss_scaling_factor`), a Python float >= 0.
+      head_chunk: heads of q processed together; None = all heads (MaxText `mla_qk_head_chunk_size`, 0 = all).
+      softmax_scale: tau of the teacher logits; None = D**-0.5. Pass 1.0 if q is already multiplied by tau.
+      sparse_training: True = every call must pass topk_indices (sparse stage), False = none may (dense warm-up),
+        None = decided per call by whether topk_indices is given (MaxText `indexer_sparse_training`).
+      implementation: None (auto), "xla" or "pallas"; passed through to `csa_pallas.indexer_distill_loss`.
+    """
+
+    compress_ratio: int = 4
+    window_size: int = 128
+    target: str = "joint"
+    reduction: str = "mean"
+    scale: float = 1.0
+    head_chunk: Optional[int] = None
+    softmax_scale: Optional[float] = None
+    sparse_training: Optional[bool] = None
+    implementation: Optional[str] = None
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: canonicalise in place
+        set_("compress_ratio", _positive_int("compress_ratio", self.compress_ratio))
+        set_("window_size", _positive_int("window_size", self.window_size))
+        if self.target not in TARGETS:
+            raise ValueError(f"target: expected one of {TARGETS}, got {self.target!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {self.reduction!r}")
+        # scale must be a concrete Python number: it is static module configuration, not a traced value.
+        if not _is_real(self.scale) or not math.isfinite(self.scale) or self.scale < 0:
+            raise ValueError(f"scale: expected a finite Python float >= 0, got {self.scale!r}")
+        set_("scale", float(self.scale))
+        if self.head_chunk is not None:
+            set_("head_chunk", _positive_int("head_chunk", self.head_chunk))
+        if self.softmax_scale is not None:
+            if not _is_real(self.softmax_scale) or not math.isfinite(self.softmax_scale) or self.softmax_scale <= 0:
+                raise ValueError(f"softmax_scale: expected None or a finite Python float > 0, got "
+                                 f"{self.softmax_scale!r}")
+            set_("softmax_scale", float(self.softmax_scale))
+        if self.sparse_training is not None and not isinstance(self.sparse_training, (bool, np.bool_)):
+            raise ValueError(f"sparse_training: expected None, True or False, got {self.sparse_training!r}")
+        if self.sparse_training is not None:
+            set_("sparse_training", bool(self.sparse_training))
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS}, got {self.implementation!r}")
+
+    @classmethod
+    def from_maxtext_config(cls, cfg, **overrides) -> "IndexerLossConfig":
+        """Builds the configuration from a MaxText config (any object with the attributes, or a Mapping).
+
+        Mapping (MaxText field -> ours):
+          indexer_loss_scaling_factor -> scale (>= 0; 0 makes the loss and its gradient exactly 0)
+          indexer_sparse_training     -> sparse_training (True: the sparse stage, calls pass topk_indices)
+          mla_qk_head_chunk_size      -> head_chunk (0 -> None = all heads)
+          sliding_window_size         -> window_size (must be >= 1: the CSA window branch always exists)
+        A MaxText field may be absent only when its counterpart is given in `overrides`. `overrides` takes our
+        field names (compress_ratio, target, reduction, implementation, softmax_scale, ...) and wins over `cfg`.
+        MaxText's per-layer `compress_ratios` list is not read: pass this layer's `compress_ratio` (default 4).
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown IndexerLossConfig field; expected some of {sorted(fields)}")
+
+        def get(name):
+            if isinstance(cfg, Mapping):
+                return cfg[name] if name in cfg else _MISSING
+            return getattr(cfg, name, _MISSING)
+
+        values = {}
+        for mt_name, ours in MAXTEXT_FIELDS.items():
+            if ours in overrides:
+                continue
+            value = get(mt_name)
+            if value is _MISSING:
+                raise ValueError(f"{mt_name}: missing from the MaxText config {type(cfg).__name__}; set it or pass "
+                                 f"{ours}= as an override")
+            values[ours] = _from_maxtext_value(mt_name, value)
+        values.update(overrides)
+        return cls(**values)
+
+
+_MISSING = object()
+
+
+def _from_maxtext_value(mt_name: str, value):
+    """Converts one MaxText value, so a bad value is reported under MaxText's field name."""
+    if mt_name == "indexer_loss_scaling_factor":
+        if not _is_real(value) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"indexer_loss_scaling_factor: expected a finite float >= 0, got {value!r}")
+        return float(value)
+    if mt_name == "indexer_sparse_training":
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"indexer_sparse_training: expected True or False, got {value!r}")
+        return bool(value)
+    if mt_name == "mla_qk_head_chunk_size":
+        if not _is_int(value) or value < 0:
+            raise ValueError(f"mla_qk_head_chunk_size: expected an int >= 0 (0 = all heads), got {value!r}")
+        return None if value == 0 else int(value)
+    if mt_name == "sliding_window_size":
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"sliding_window_size: expected an int >= 1 (the CSA sliding window W), got {value!r}")
+        return int(value)
+    raise AssertionError(mt_name)
+
+
+def _resolve_config(config, explicit: dict) -> IndexerLossConfig:
+    """config: None, an IndexerLossConfig, or a MaxText config (object or Mapping); explicit kwargs override it."""
+    if config is None:
+        return IndexerLossConfig(**explicit)
+    if isinstance(config, IndexerLossConfig):
+        return dataclasses.replace(config, **explicit)
+    return IndexerLossConfig.from_maxtext_config(config, **explicit)
+
+
+def _compute_loss(cfg: IndexerLossConfig, indexer_logits, q, compressed_kv, *, topk_indices, window_kv, sinks,
+                  noncompressed_lse, full_lse, segment_ids, positions, kv_segment_ids, kv_positions):
+    if cfg.sparse_training is True and topk_indices is None:
+        raise ValueError("topk_indices: required because sparse_training=True (MaxText indexer_sparse_training); "
+                         "the sparse stage's loss is over the K selected slots")
+    if cfg.sparse_training is False and topk_indices is not None:
+        raise ValueError("topk_indices: given but sparse_training=False (MaxText indexer_sparse_training, the dense "
+                         "warm-up computes the loss over all visible blocks); drop it or set sparse_training")
+    return api.indexer_distill_loss(
+        indexer_logits, q, compressed_kv, topk_indices=topk_indices, window_kv=window_kv, sinks=sinks,
+        noncompressed_lse=noncompressed_lse, full_lse=full_lse, segment_ids=segment_ids, positions=positions,
+        kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, compress_ratio=cfg.compress_ratio,
+        window_size=cfg.window_size, softmax_scale=cfg.softmax_scale, target=cfg.target, reduction=cfg.reduction,
+        scale=cfg.scale, head_chunk=cfg.head_chunk, implementation=cfg.implementation)
+
+
+_CALL_DOC = """Computes the loss, records it (sow, name "indexer_loss") and returns it.
+
+    Args:
+      indexer_logits: the student scores I, float [B, S, N] (dense) or [B, S, K] (sparse, slot k belongs to
+        topk_indices[..., k]). The only input that receives a gradient.
+      q: the layer's attention queries after RoPE, float [B, S, H, D] (bf16 or f32); gets a zero gradient.
+      compressed_kv: the layer's CSA compressed KV blocks, float [B, N, D]; gets a zero gradient.
+      topk_indices: int32 [B, S, K] selected blocks, -1 = empty slot (sparse stage); None = dense.
+      window_kv: float [B, S_kv, D] keys of the sliding-window branch (joint target; ignored for per_head).
+      sinks: f32 [H] per-head sink logits (joint target, with window_kv).
+      noncompressed_lse / full_lse: f32 [B, S, H] alternatives to window_kv for the joint target (SPEC §3);
+        pass at most one of window_kv, noncompressed_lse, full_lse.
+      segment_ids, positions: int32 [B, S] packing; kv_segment_ids, kv_positions: int32 [B, S_kv] key side.
+
+    Returns:
+      f32 scalar (scale * KL), or f32 [B, S] rows for reduction="none". The same value is sown.
+    """
+
+
+class CSAIndexerLoss(nnx.Module):
+    """flax.nnx module computing and sowing the CSA indexer distillation loss (no parameters).
+
+    Construct with keyword fields of `IndexerLossConfig` and/or `config=` (an IndexerLossConfig, or a MaxText
+    config object / dict, see `IndexerLossConfig.from_maxtext_config`); explicit keywords win over `config`.
+    """
+
+    def __init__(self, config=None, *, compress_ratio=_MISSING, window_size=_MISSING, target=_MISSING,
+                 reduction=_MISSING, scale=_MISSING, head_chunk=_MISSING, softmax_scale=_MISSING,
+                 sparse_training=_MISSING, implementation=_MISSING):
+        explicit = {k: v for k, v in dict(
+            compress_ratio=compress_ratio, window_size=window_size, target=target, reduction=reduction,
+            scale=scale, head_chunk=head_chunk, softmax_scale=softmax_scale, sparse_training=sparse_training,
+            implementation=implementation).items() if v is not _MISSING}
+        self.config = _resolve_config(config, explicit)
+
+    @classmethod
+    def from_maxtext_config(cls, cfg, **overrides) -> "CSAIndexerLoss":
+        """`CSAIndexerLoss` from a MaxText config; see `IndexerLossConfig.from_maxtext_config`."""
+        return cls(IndexerLossConfig.from_maxtext_config(cfg, **overrides))
+
+    def __call__(self, indexer_logits: jax.Array, q: jax.Array, compressed_kv: jax.Array, *, topk_indices=None,
+                 window_kv=None, sinks=None, noncompressed_lse=None, full_lse=None, segment_ids=None,
+                 positions=None, kv_segment_ids=None, kv_positions=None) -> jax.Array:
+        loss = _compute_loss(self.config, indexer_logits, q, compressed_kv, topk_indices=topk_indices,
+                             window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse,
+                             full_lse=full_lse, segment_ids=segment_ids, positions=positions,
+                             kv_segment_ids=kv_segment_ids, kv_positions=kv_positions)
+        self.sow(nnx.Intermediate, SOW_NAME, loss)
+        return loss
+
+    __call__.__doc__ = _CALL_DOC
+
+
+class CSAIndexerLossLinen(nn.Module):
+    """flax.linen module computing the loss and sowing it into the "intermediates" collection (no parameters).
+
+    Fields: `config` (None, an IndexerLossConfig, or a MaxText config object / dict, see
+    `IndexerLossConfig.from_maxtext_config`) and the fields of `IndexerLossConfig`. A field left at None takes its
+    value from `config`, else the IndexerLossConfig default; a non-None field overrides `config`. (To force a
+    field to None against a config, use `from_maxtext_config(cfg, head_chunk=None, ...)`.)
+    """
+
+    config: Any = None
+    compress_ratio: Optional[int] = None
+    window_size: Optional[int] = None
+    target: Optional[str] = None
+    reduction: Optional[str] = None
+    scale: Optional[float] = None
+    head_chunk: Optional[int] = None
+    softmax_scale: Optional[float] = None
+    sparse_training: Optional[bool] = None
+    implementation: Optional[str] = None
+
+    def __post_init__(self):
+        self.loss_config  # validate at construction, so a bad field raises here, naming it
+        super().__post_init__()
+
+    @property
+    def loss_config(self) -> IndexerLossConfig:
+        explicit = {f.name: getattr(self, f.name) for f in dataclasses.fields(IndexerLossConfig)}
+        return _resolve_config(self.config, {k: v for k, v in explicit.items() if v is not None})
+
+    @classmethod
+    def from_maxtext_config(cls, cfg, **overrides) -> "CSAIndexerLossLinen":
+        """`CSAIndexerLossLinen` from a MaxText config; see `IndexerLossConfig.from_maxtext_config`."""
+        return cls(config=IndexerLossConfig.from_maxtext_config(cfg, **overrides))
+
+    @nn.compact
+    def __call__(self, indexer_logits: jax.Array, q: jax.Array, compressed_kv: jax.Array, *, topk_indices=None,
+                 window_kv=None, sinks=None, noncompressed_lse=None, full_lse=None, segment_ids=None,
+                 positions=None, kv_segment_ids=None, kv_positions=None) -> jax.Array:
+        loss = _compute_loss(self.loss_config, indexer_logits, q, compressed_kv, topk_indices=topk_indices,
+                             window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse,
+                             full_lse=full_lse, segment_ids=segment_ids, positions=positions,
+                             kv_segment_ids=kv_segment_ids, kv_positions=kv_positions)
+        self.sow("intermediates", SOW_NAME, loss)
+        return loss
+
+    __call__.__doc__ = _CALL_DOC
+
+
+def collect_indexer_losses(intermediates: Any, name: str = SOW_NAME) -> jax.Array:
+    """Every value sown under `name`, in tree order, stacked: f32 [L] (or [L, B, S] for reduction="none").
+
+    Accepts what `nnx.capture(..., nnx.Intermediate)` returns (an nnx.State), the "intermediates" collection of a
+    Linen `apply(..., mutable=["intermediates"])`, or any nested Mapping of them. MaxText's loss is the mean of
+    this over layers; returns a zero-length array when nothing was sown.
+    """
+    if hasattr(intermediates, "to_pure_dict"):
+        intermediates = intermediates.to_pure_dict()
+    found = []
+
+    def leaves(value):
+        if isinstance(value, nnx.Variable):
+            value = value.get_value()
+        if isinstance(value, (tuple, list)):
+            for v in value:
+                yield from leaves(v)
+        else:
+            yield jnp.asarray(value)
+
+    def walk(tree):
+        if isinstance(tree, Mapping):
+            for key in sorted(tree, key=str):  # a deterministic order whatever the container
+                # A submodule may itself be called "indexer_loss" (the layer's loss module is): recurse into
+                # mappings, collect only the sown leaves.
+                if key == name and not isinstance(tree[key], Mapping):
+                    found.extend(leaves(tree[key]))
+                else:
+                    walk(tree[key])
+
+    walk(intermediates)
+    if not found:
+        return jnp.zeros((0,), jnp.float32)
+    return jnp.stack(found)

@@ -1,0 +1,209 @@
+"""The Pallas implementation of the public ops: input preparation, kernel launches, and the loss's custom_vjp.
+
+Data flow of `indexer_distill_loss` (dense mode):
+
+  q, compressed_kv, ids ──> [window_lse kernel ─> u] ──> teacher kernel ──> P (f32 [B,S,N], stop-gradient)
+  P, indexer_logits ──> KL forward kernel ──> per-row KL, lse, sum P, non-empty  ──> reduction (XLA)
+  backward: KL backward kernel(P, logits, lse, cotangent) ──> dI;  zeros for every teacher input.
+
+P is saved between forward and backward rather than recomputed: recomputing it would repeat the whole teacher
+(the dominant cost, two matmul passes over [S, N, H, D]) to save one [B, S, N] f32 array, which the memory budget
+(<= 1.25 x that array + 64 MiB temp) already allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from csa_pallas import masks
+from csa_pallas import reference
+from csa_pallas.kernels import common
+from csa_pallas.kernels import kl as kl_kernels
+from csa_pallas.kernels import runtime
+from csa_pallas.kernels import teacher as teacher_kernel
+from csa_pallas.kernels import window_lse as window_kernel
+from csa_pallas.validation import Problem
+
+
+def _compute_dtype(*arrays):
+    dtype = jnp.result_type(*[a.dtype for a in arrays if a is not None])
+    return jnp.dtype(jnp.float32) if dtype == jnp.float64 else jnp.dtype(dtype)
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseLayout:
+    """Padded kernel inputs shared by the teacher and KL kernels (block sizes from the teacher config)."""
+
+    cfg: teacher_kernel.TeacherConfig
+    seq_len: int
+    num_blocks: int
+    qmeta: jax.Array  # int32 [B, S_p, 128]
+    kmeta: jax.Array  # int32 [B, 8, N_p]
+    tiles: jax.Array  # int32 [B*nq*nk] compacted needed kv tiles
+    counts: jax.Array  # int32 [B*nq]
+    fetch: jax.Array  # int32 [B*nq*nk] natural-order fetch table
+
+    @property
+    def padded_seq(self) -> int:
+        return self.qmeta.shape[1]
+
+    @property
+    def padded_blocks(self) -> int:
+        return self.kmeta.shape[2]
+
+
+def teacher_mode(problem: Problem) -> str:
+    if problem.target == "per_head":
+        return "per_head"
+    return "full_lse" if problem.full_lse is not None else "joint"
+
+
+def dense_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> DenseLayout:
+    dtype = _compute_dtype(problem.q, problem.compressed_kv)
+    if cfg is None:
+        cfg = teacher_kernel.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
+                                            seq_len=problem.seq_len, num_blocks=problem.num_blocks, dtype=dtype,
+                                            mode=teacher_mode(problem), head_chunk=problem.head_chunk)
+    s_p = common.round_up(problem.seq_len, cfg.block_q)
+    n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
+    qmeta = common.query_meta(problem.segment_ids, problem.positions, s_p)
+    block_segment, block_end = reference.block_keys(problem)
+    kmeta = common.key_meta(block_segment, block_end, n_p, masks.INVALID_BLOCK_END)
+    need = common.tile_need(qmeta, kmeta, cfg.block_q, cfg.block_k)
+    tiles, counts = common.compact_tile_table(need)
+    return DenseLayout(cfg=cfg, seq_len=problem.seq_len, num_blocks=problem.num_blocks, qmeta=qmeta, kmeta=kmeta,
+                       tiles=tiles, counts=counts, fetch=common.fetch_table(need))
+
+
+def window_supported_reason(problem: Problem) -> Optional[str]:
+    if problem.window_kv is not None and problem.kv_len != problem.seq_len:
+        return (f"the window-LSE kernel needs the key sequence to be the query sequence (S_kv == S), got "
+                f"S_kv={problem.kv_len}, S={problem.seq_len}; pass noncompressed_lse or implementation='xla'")
+    return None
+
+
+def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig] = None) -> jax.Array:
+    """u, f32 [B, S, H], from the window-LSE kernel plus the sinks (XLA)."""
+    reason = window_supported_reason(problem)
+    if reason is not None:
+        raise NotImplementedError(f"implementation='pallas': {reason}")
+    dtype = _compute_dtype(problem.q, problem.window_kv)
+    b, s, h, _ = problem.q.shape
+    if cfg is None:
+        cfg = window_kernel.default_config(num_heads=h, head_dim=problem.head_dim, seq_len=s, dtype=dtype,
+                                           head_chunk=problem.head_chunk)
+    s_p = window_kernel.padded_len(s, cfg)
+    q = _pad_axis(problem.q.astype(dtype), 1, s_p)
+    kv = _pad_axis(problem.window_kv.astype(dtype), 1, s_p)
+    qmeta = common.query_meta(problem.segment_ids, problem.positions, s_p)
+    wmeta = common.key_meta(problem.kv_segment_ids, problem.kv_positions, s_p, 0)
+    wmeta = wmeta.at[:, 2, :].set((jnp.arange(s_p) < problem.kv_len).astype(jnp.int32)[None])
+    lse = window_kernel.window_lse_pallas(q, kv, qmeta, wmeta, cfg=cfg, window_size=problem.window_size,
+                                          scale=problem.softmax_scale, interpret=runtime.interpret_mode())
+    lse = common.stats_from_kernel_layout(lse)[:, :s]
+    if problem.sinks is not None:
+        lse = jnp.logaddexp(lse, problem.sinks.astype(jnp.float32)[None, None, :])
+    return lse
+
+
+def _teacher_padded(problem: Problem, layout: DenseLayout) -> jax.Array:
+    """P, f32 [B, S_p, N_p] (padding rows/columns are zero)."""
+    cfg = layout.cfg
+    mode = teacher_mode(problem)
+    dtype = _compute_dtype(problem.q, problem.compressed_kv)
+    q = _pad_axis(problem.q.astype(dtype), 1, layout.padded_seq)
+    kv = _pad_axis(problem.compressed_kv.astype(dtype), 1, layout.padded_blocks)
+    lse_in = None
+    if mode != "per_head":
+        if mode == "full_lse":
+            stats = problem.full_lse
+        elif problem.noncompressed_lse is not None:
+            stats = problem.noncompressed_lse
+        else:
+            stats = noncompressed_lse(problem)
+        stats = _pad_axis(stats.astype(jnp.float32), 1, layout.padded_seq)
+        lse_in = common.stats_to_kernel_layout(stats, cfg.head_chunk, cfg.block_q)
+    target = teacher_kernel.teacher_pallas(q, kv, layout.qmeta, layout.kmeta, layout.tiles, layout.counts, lse_in,
+                                           mode=mode, cfg=cfg, scale=problem.softmax_scale,
+                                           interpret=runtime.interpret_mode())
+    return jax.lax.stop_gradient(target)
+
+
+def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> jax.Array:
+    """P, f32 [B, S, N]."""
+    b, s, n = problem.batch, problem.seq_len, problem.num_blocks
+    if n == 0:
+        return jnp.zeros((b, s, 0), jnp.float32)
+    layout = dense_layout(problem, cfg)
+    return _teacher_padded(problem, layout)[:, :s, :n]
+
+
+@dataclasses.dataclass(frozen=True)
+class _KLStatic:
+    block_q: int
+    block_k: int
+    interpret: object
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kl_stats(static: _KLStatic, logits, target, qmeta, kmeta, tiles, counts, fetch):
+    return kl_kernels.kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, block_q=static.block_q,
+                                        block_k=static.block_k, interpret=static.interpret)
+
+
+def _kl_stats_fwd(static, logits, target, qmeta, kmeta, tiles, counts, fetch):
+    stats = _kl_stats(static, logits, target, qmeta, kmeta, tiles, counts, fetch)
+    return stats, (logits, target, qmeta, kmeta, fetch, stats)
+
+
+def _kl_stats_bwd(static, residuals, cotangent):
+    logits, target, qmeta, kmeta, fetch, stats = residuals
+    # Only row 0 (the KL) is differentiable; rows 1-3 (lse, sum P, non-empty) are statistics for the backward.
+    coef = cotangent[:, :, 0, :]
+    rowstats = jnp.zeros_like(stats).at[:, :, 0].set(stats[:, :, 1]).at[:, :, 1].set(coef).at[:, :, 2].set(
+        stats[:, :, 2])
+    grad = kl_kernels.kl_backward_pallas(target, logits, qmeta, kmeta, fetch, rowstats, block_q=static.block_q,
+                                         block_k=static.block_k, interpret=static.interpret)
+    return grad, None, None, None, None, None, None
+
+
+_kl_stats.defvjp(_kl_stats_fwd, _kl_stats_bwd)
+
+
+def kl_rows(indexer_logits, target_padded, layout: DenseLayout):
+    """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S]."""
+    b, s, n = indexer_logits.shape
+    logits = _pad_axis(_pad_axis(indexer_logits, 1, layout.padded_seq), 2, layout.padded_blocks)
+    static = _KLStatic(layout.cfg.block_q, layout.cfg.block_k, runtime.interpret_mode())
+    stats = _kl_stats(static, logits, target_padded, layout.qmeta, layout.kmeta, layout.tiles, layout.counts,
+                      layout.fetch)
+    rows = stats[:, :, 0, :].reshape(b, -1)[:, :s]
+    nonempty = jax.lax.stop_gradient(stats[:, :, 3, :].reshape(b, -1)[:, :s]) > 0
+    return rows, nonempty
+
+
+def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0,
+                         cfg: Optional[teacher_kernel.TeacherConfig] = None):
+    """Dense-mode loss through the kernels; same contract as `reference.indexer_distill_loss`."""
+    if problem.num_blocks == 0:  # S_kv < m: no block exists, every row is empty
+        rows = jnp.zeros(indexer_logits.shape[:2], jnp.float32) + 0.0 * jnp.sum(
+            jnp.where(False, indexer_logits.astype(jnp.float32), 0.0), axis=-1)
+        return reference.reduce_rows(rows, jnp.zeros(rows.shape, bool), reduction, scale)
+    layout = dense_layout(problem, cfg)
+    target = _teacher_padded(problem, layout)
+    rows, nonempty = kl_rows(indexer_logits, target, layout)
+    return reference.reduce_rows(rows, nonempty, reduction, scale)

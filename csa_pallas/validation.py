@@ -1,0 +1,291 @@
+"""Argument checking for the public ops.
+
+Every check runs at trace time on static shapes, dtypes and Python values, so a bad call fails with a ValueError or
+TypeError naming the argument, what was expected and what came, before any kernel runs. `validate` returns a
+`Problem`: the canonical inputs (defaults filled in, integer arrays as int32) and the static sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGETS = ("joint", "per_head")
+REDUCTIONS = ("mean", "mean_all", "sum", "none")
+IMPLEMENTATIONS = (None, "xla", "pallas")
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Validated, canonical inputs of one call. Arrays keep their caller dtype except int arrays (int32)."""
+
+    q: jax.Array  # [B, S, H, D]
+    compressed_kv: jax.Array  # [B, N, D]
+    segment_ids: jax.Array  # [B, S] int32
+    positions: jax.Array  # [B, S] int32
+    kv_segment_ids: jax.Array  # [B, S_kv] int32
+    kv_positions: jax.Array  # [B, S_kv] int32
+    topk_indices: Optional[jax.Array]  # [B, S, K] int32 or None (dense)
+    window_kv: Optional[jax.Array]  # [B, S_kv, D]
+    sinks: Optional[jax.Array]  # [H]
+    noncompressed_lse: Optional[jax.Array]  # [B, S, H]
+    full_lse: Optional[jax.Array]  # [B, S, H]
+    compress_ratio: int
+    window_size: int
+    softmax_scale: float
+    target: str
+    head_chunk: Optional[int]  # None: the kernel config's default
+    implementation: Optional[str]
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.compressed_kv.shape[1]
+
+    @property
+    def kv_len(self) -> int:
+        return self.kv_segment_ids.shape[1]
+
+    @property
+    def sparse(self) -> bool:
+        return self.topk_indices is not None
+
+    @property
+    def width(self) -> int:
+        """Last dim of the student / target: N (dense) or K (sparse)."""
+        return self.topk_indices.shape[2] if self.sparse else self.num_blocks
+
+
+def _shape(x) -> tuple:
+    return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
+
+
+def _dtype(x):
+    return jnp.asarray(x).dtype if not hasattr(x, "dtype") else jnp.dtype(x.dtype)
+
+
+def _check_float(name: str, x) -> None:
+    dt = _dtype(x)
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected a floating dtype in (float32, bfloat16, float16), got {dt}")
+
+
+def _check_int(name: str, x) -> jax.Array:
+    dt = _dtype(x)
+    if not jnp.issubdtype(dt, jnp.integer):
+        raise TypeError(f"{name}: expected an integer dtype (int32), got {dt}")
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def _check_shape(name: str, x, expected: tuple, meaning: str) -> None:
+    if _shape(x) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {tuple(expected)} ({meaning}), got {_shape(x)}")
+
+
+def _check_rank(name: str, x, rank: int, meaning: str) -> None:
+    if len(_shape(x)) != rank:
+        raise ValueError(f"{name}: expected rank {rank} ({meaning}), got shape {_shape(x)}")
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected a Python int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value}")
+    return int(value)
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+def check_reduction_args(reduction, scale) -> None:
+    check_choice("reduction", reduction, REDUCTIONS)
+    if isinstance(scale, (bool, str)) or not (np.ndim(scale) == 0):
+        raise TypeError(f"scale: expected a scalar number, got {scale!r}")
+
+
+def resolve_head_chunk(head_chunk, num_heads: int) -> int:
+    """None -> all heads; otherwise any divisor of H."""
+    if head_chunk is None:
+        return num_heads
+    head_chunk = _check_positive_int("head_chunk", head_chunk)
+    if num_heads % head_chunk:
+        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise ValueError(f"head_chunk: expected a divisor of the number of heads H={num_heads} (one of {divisors}), "
+                         f"got {head_chunk}")
+    return head_chunk
+
+
+def validate(
+    q,
+    compressed_kv,
+    *,
+    topk_indices=None,
+    window_kv=None,
+    sinks=None,
+    noncompressed_lse=None,
+    full_lse=None,
+    segment_ids=None,
+    positions=None,
+    kv_segment_ids=None,
+    kv_positions=None,
+    compress_ratio: int = 4,
+    window_size: int = 128,
+    softmax_scale: Optional[float] = None,
+    target: str = "joint",
+    head_chunk: Optional[int] = None,
+    implementation: Optional[str] = None,
+) -> Problem:
+    """Checks the teacher-side arguments (SPEC §1) and returns the canonical `Problem`."""
+    check_choice("target", target, TARGETS)
+    check_choice("implementation", implementation, IMPLEMENTATIONS)
+    compress_ratio = _check_positive_int("compress_ratio", compress_ratio)
+    window_size = _check_positive_int("window_size", window_size)
+
+    _check_rank("q", q, 4, "[B, S, H, D]")
+    _check_float("q", q)
+    b, s, h, d = _shape(q)
+    _check_rank("compressed_kv", compressed_kv, 3, "[B, N, D]")
+    _check_float("compressed_kv", compressed_kv)
+    if _shape(compressed_kv)[0] != b or _shape(compressed_kv)[2] != d:
+        raise ValueError(f"compressed_kv: expected shape [B={b}, N, D={d}] (batch and head dim of q), "
+                         f"got {_shape(compressed_kv)}")
+    n = _shape(compressed_kv)[1]
+
+    if softmax_scale is None:
+        softmax_scale = float(d) ** -0.5
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, np.floating)):
+        raise TypeError(f"softmax_scale: expected a Python float or None, got {type(softmax_scale).__name__}")
+    softmax_scale = float(softmax_scale)
+    if head_chunk is not None:
+        head_chunk = resolve_head_chunk(head_chunk, h)
+
+    # Query-side packing arrays.
+    if segment_ids is not None:
+        _check_shape("segment_ids", segment_ids, (b, s), "[B, S] from q")
+        segment_ids = _check_int("segment_ids", segment_ids)
+    else:
+        segment_ids = jnp.zeros((b, s), jnp.int32)
+    if positions is not None:
+        _check_shape("positions", positions, (b, s), "[B, S] from q")
+        positions = _check_int("positions", positions)
+    else:
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+
+    # Key side: S_kv comes from whichever key-side array is given, else equals S.
+    kv_len = None
+    for name, x in (("window_kv", window_kv), ("kv_segment_ids", kv_segment_ids), ("kv_positions", kv_positions)):
+        if x is not None:
+            _check_rank(name, x, 3 if name == "window_kv" else 2, "[B, S_kv, D]" if name == "window_kv" else "[B, S_kv]")
+            if kv_len is None:
+                kv_len = _shape(x)[1]
+    if kv_len is None:
+        kv_len = s
+    if kv_segment_ids is None and kv_positions is None and kv_len != s:
+        raise ValueError(f"kv_segment_ids/kv_positions: required when the key length S_kv={kv_len} (from window_kv) "
+                         f"differs from the query length S={s}")
+    if kv_segment_ids is not None:
+        _check_shape("kv_segment_ids", kv_segment_ids, (b, kv_len), "[B, S_kv]")
+        kv_segment_ids = _check_int("kv_segment_ids", kv_segment_ids)
+    else:
+        if kv_len != s:
+            raise ValueError(f"kv_segment_ids: required when S_kv={kv_len} differs from S={s}")
+        kv_segment_ids = segment_ids
+    if kv_positions is not None:
+        _check_shape("kv_positions", kv_positions, (b, kv_len), "[B, S_kv]")
+        kv_positions = _check_int("kv_positions", kv_positions)
+    else:
+        if kv_len != s:
+            raise ValueError(f"kv_positions: required when S_kv={kv_len} differs from S={s}")
+        kv_positions = positions
+    if n != kv_len // compress_ratio:
+        raise ValueError(f"compressed_kv: expected N = S_kv // compress_ratio = {kv_len} // {compress_ratio} = "
+                         f"{kv_len // compress_ratio} blocks, got N={n}")
+
+    if topk_indices is not None:
+        _check_rank("topk_indices", topk_indices, 3, "[B, S, K]")
+        if _shape(topk_indices)[:2] != (b, s) or _shape(topk_indices)[2] < 1:
+            raise ValueError(f"topk_indices: expected shape [B={b}, S={s}, K>=1], got {_shape(topk_indices)}")
+        topk_indices = _check_int("topk_indices", topk_indices)
+
+    # Teacher denominators: which of window_kv / sinks / noncompressed_lse / full_lse may come together.
+    if target == "per_head":
+        for name, x in (("full_lse", full_lse), ("noncompressed_lse", noncompressed_lse)):
+            if x is not None:
+                raise ValueError(f"{name}: given with target='per_head', which normalises each head over the "
+                                 f"compressed blocks alone; drop {name} or ask for target='joint'")
+        window_kv = sinks = None  # irrelevant to the per-head target
+    else:
+        given = [name for name, x in (("window_kv", window_kv), ("noncompressed_lse", noncompressed_lse),
+                                      ("full_lse", full_lse)) if x is not None]
+        if not given:
+            raise ValueError("window_kv: target='joint' needs the layer's non-compressed keys: pass window_kv "
+                             "(and sinks), or noncompressed_lse, or full_lse; or ask for target='per_head'")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: pass only one of window_kv, noncompressed_lse, full_lse for "
+                             f"target='joint', got {given}")
+        if sinks is not None and window_kv is None:
+            raise ValueError(f"sinks: only used with window_kv; {given[0]} already includes the sink term")
+    if window_kv is not None:
+        _check_shape("window_kv", window_kv, (b, kv_len, d), "[B, S_kv, D]")
+        _check_float("window_kv", window_kv)
+    if sinks is not None:
+        _check_shape("sinks", sinks, (h,), "[H], one sink logit per head")
+        _check_float("sinks", sinks)
+    for name, x in (("noncompressed_lse", noncompressed_lse), ("full_lse", full_lse)):
+        if x is not None:
+            _check_shape(name, x, (b, s, h), "[B, S, H]")
+            _check_float(name, x)
+
+    return Problem(q=q, compressed_kv=compressed_kv, segment_ids=segment_ids, positions=positions,
+                   kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, topk_indices=topk_indices,
+                   window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse, full_lse=full_lse,
+                   compress_ratio=compress_ratio, window_size=window_size, softmax_scale=softmax_scale,
+                   target=target, head_chunk=head_chunk, implementation=implementation)
+
+
+def validate_logits(indexer_logits, problem: Problem) -> None:
+    """The student logits: [B, S, N] in dense mode, [B, S, K] in sparse mode, floating."""
+    expected = (problem.batch, problem.seq_len, problem.width)
+    meaning = "[B, S, K] like topk_indices" if problem.sparse else "[B, S, N] with N from compressed_kv"
+    _check_rank("indexer_logits", indexer_logits, 3, meaning)
+    _check_shape("indexer_logits", indexer_logits, expected, meaning)
+    _check_float("indexer_logits", indexer_logits)
+
+
+def validate_window_args(q, window_kv, *, sinks, segment_ids, positions, kv_segment_ids, kv_positions, window_size,
+                         softmax_scale, head_chunk, implementation) -> Problem:
+    """Arguments of `noncompressed_lse`: same checks, with a placeholder compressed_kv of the right N."""
+    _check_rank("q", q, 4, "[B, S, H, D]")
+    _check_rank("window_kv", window_kv, 3, "[B, S_kv, D]")
+    b, _, _, d = _shape(q)
+    kv_len = _shape(window_kv)[1]
+    placeholder = jax.ShapeDtypeStruct((b, kv_len, d), jnp.float32)
+    problem = validate(q, placeholder, window_kv=window_kv, sinks=sinks, segment_ids=segment_ids,
+                       positions=positions, kv_segment_ids=kv_segment_ids, kv_positions=kv_positions,
+                       compress_ratio=1, window_size=window_size, softmax_scale=softmax_scale, target="joint",
+                       head_chunk=head_chunk, implementation=implementation)
+    return problem
+

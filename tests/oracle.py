@@ -1,0 +1,300 @@
+"""Independent float64 NumPy oracle of csa_pallas SPEC.md (the math contract).
+
+Written directly from the definitions in SPEC.md with plain Python loops over (b, t, s, h); it imports no
+project code and no jax. Every array input may be any float dtype (incl. ml_dtypes bfloat16 / jax arrays): it is
+upcast exactly with np.asarray(x, dtype=np.float64). Integer inputs are read as int64.
+
+Notation: B batch, S query length, S_kv key length, H heads, D head dim, m = compress_ratio, N compressed blocks
+(N = compressed_kv.shape[1]), K top-k width, W window size, tau softmax scale (default D**-0.5).
+
+Conventions fixed here (see SPEC §2-§5):
+* Dense mode (topk_indices=None): the softmax slots of row t are the visible blocks s; outputs are [B, S, N].
+  Sparse mode: the slots are k = 0..K-1, slot k valid iff 0 <= topk_indices[b,t,k] < N and that block is visible;
+  outputs are [B, S, K].
+* DUPLICATED top-k indices: the computation is purely per slot. A valid block that appears in two slots appears
+  twice in C's logsumexp, twice in the student's softmax and gets a separate P entry in each slot.
+* Empty rows (V(t) = {}): P row = 0, KL row = 0, gradient 0; nothing is computed for them.
+* window_size=None is treated as "no upper bound" (full causal same-document window); any integer W follows SPEC
+  literally, 0 <= positions[t] - kv_positions[j] < W (so W <= 0 gives an empty window).
+* target="joint" without window_kv (and without noncompressed_lse / full_lse): the window term is dropped
+  (LSE of the empty set = -inf), like the sink term when sinks is None.
+"""
+
+import math
+
+import numpy as np
+
+__all__ = [
+    "TINY_F32", "visible_blocks", "window_set", "noncompressed_lse", "teacher", "support", "kl_rows", "loss",
+    "loss_grad", "finite_difference_grad",
+]
+
+TINY_F32 = float(np.finfo(np.float32).tiny)  # the normalisation floor of SPEC §3
+_NEG_INF = -math.inf
+_REDUCTIONS = ("mean", "mean_all", "sum", "none")
+
+
+def _f64(x):
+    return None if x is None else np.asarray(x, dtype=np.float64)
+
+
+def _i64(x):
+    return None if x is None else np.asarray(x).astype(np.int64)
+
+
+def _lse(v):
+    """logsumexp of a 1-D float64 array with max subtraction; the LSE of the empty set is -inf."""
+    v = np.asarray(v, dtype=np.float64)
+    if v.size == 0:
+        return _NEG_INF
+    mx = float(np.max(v))
+    if math.isinf(mx):  # all -inf -> -inf; any +inf -> +inf
+        return mx
+    return mx + math.log(float(np.sum(np.exp(v - mx))))
+
+
+def _resolve_ids(B, S, S_kv, segment_ids, positions, kv_segment_ids, kv_positions):
+    """Defaults of SPEC §1. Returns int64 seg [B,S], pos [B,S], kv_seg [B,S_kv], kv_pos [B,S_kv]."""
+    seg = np.zeros((B, S), np.int64) if segment_ids is None else _i64(segment_ids)
+    pos = np.tile(np.arange(S, dtype=np.int64), (B, 1)) if positions is None else _i64(positions)
+    kv_seg = seg if kv_segment_ids is None else _i64(kv_segment_ids)
+    kv_pos = pos if kv_positions is None else _i64(kv_positions)
+    if seg.shape != (B, S) or pos.shape != (B, S):
+        raise ValueError(f"segment_ids/positions must be [B,S]={(B, S)}, got {seg.shape}, {pos.shape}")
+    if S_kv is not None and (kv_seg.shape != (B, S_kv) or kv_pos.shape != (B, S_kv)):
+        raise ValueError(f"kv ids must be [B,S_kv]={(B, S_kv)}, got {kv_seg.shape}, {kv_pos.shape} "
+                         "(pass kv_segment_ids/kv_positions when S_kv != S)")
+    return seg, pos, kv_seg, kv_pos
+
+
+def visible_blocks(segment_ids, positions, kv_segment_ids=None, kv_positions=None, compress_ratio=4, *,
+                   num_blocks=None):
+    """SPEC §2 dense visibility. Returns bool [B, S, N], N = num_blocks or S_kv // compress_ratio.
+
+    Block s is valid iff all kv tokens [s*m, (s+1)*m) exist and share one kv_segment_id; query t sees it iff it is
+    valid, segment(s) == segment_ids[t] and e(s) = kv_positions[s*m+m-1] <= positions[t].
+    """
+    ref = segment_ids if segment_ids is not None else positions
+    B, S = np.shape(ref)
+    seg, pos, kv_seg, kv_pos = _resolve_ids(B, S, None, segment_ids, positions, kv_segment_ids, kv_positions)
+    m = int(compress_ratio)
+    S_kv = kv_seg.shape[1]
+    N = S_kv // m if num_blocks is None else int(num_blocks)
+    out = np.zeros((B, S, N), dtype=bool)
+    for b in range(B):
+        for s in range(N):
+            lo, hi = s * m, (s + 1) * m
+            if hi > S_kv or any(kv_seg[b, j] != kv_seg[b, lo] for j in range(lo, hi)):
+                continue  # incomplete or document-straddling block: invalid for everyone
+            seg_s, e_s = kv_seg[b, lo], kv_pos[b, hi - 1]
+            for t in range(S):
+                out[b, t, s] = (seg[b, t] == seg_s) and (e_s <= pos[b, t])
+    return out
+
+
+def window_set(segment_ids, positions, kv_segment_ids=None, kv_positions=None, window_size=128):
+    """SPEC §2 Win(t): bool [B, S, S_kv]; j in Win(t) iff same segment and 0 <= pos[t] - kv_pos[j] < W."""
+    ref = segment_ids if segment_ids is not None else positions
+    B, S = np.shape(ref)
+    seg, pos, kv_seg, kv_pos = _resolve_ids(B, S, None, segment_ids, positions, kv_segment_ids, kv_positions)
+    S_kv = kv_seg.shape[1]
+    out = np.zeros((B, S, S_kv), dtype=bool)
+    for b in range(B):
+        for t in range(S):
+            for j in range(S_kv):
+                d = pos[b, t] - kv_pos[b, j]
+                out[b, t, j] = (kv_seg[b, j] == seg[b, t]) and d >= 0 and (window_size is None or d < window_size)
+    return out
+
+
+def noncompressed_lse(q, window_kv, *, sinks=None, segment_ids=None, positions=None, kv_segment_ids=None,
+                      kv_positions=None, window_size=128, softmax_scale=None):
+    """SPEC §3 u[t,h] = logaddexp(LSE_{j in Win(t)} tau*q[t,h].window_kv[j], sinks[h]); float64 [B, S, H].
+
+    q [B,S,H,D], window_kv [B,S_kv,D] (None: window term dropped), sinks [H] (None: sink term dropped).
+    An empty window without sink gives -inf.
+    """
+    q = _f64(q)
+    B, S, H, D = q.shape
+    tau = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    u = np.full((B, S, H), _NEG_INF)
+    if window_kv is not None:
+        kv = _f64(window_kv)
+        seg, pos, kv_seg, kv_pos = _resolve_ids(B, S, kv.shape[1], segment_ids, positions, kv_segment_ids,
+                                                kv_positions)
+        win = window_set(seg, pos, kv_seg, kv_pos, window_size)
+        for b in range(B):
+            for t in range(S):
+                js = np.nonzero(win[b, t])[0]
+                for h in range(H):
+                    u[b, t, h] = _lse([tau * float(np.dot(q[b, t, h], kv[b, j])) for j in js])
+    if sinks is not None:
+        sk = _f64(sinks)
+        for b in range(B):
+            for t in range(S):
+                for h in range(H):
+                    u[b, t, h] = np.logaddexp(u[b, t, h], sk[h])
+    return u
+
+
+_noncompressed_lse = noncompressed_lse  # the keyword below shadows the function name
+
+
+def _rows(q, compressed_kv, *, topk_indices=None, window_kv=None, sinks=None, noncompressed_lse=None,
+          full_lse=None, segment_ids=None, positions=None, kv_segment_ids=None, kv_positions=None, compress_ratio=4,
+          window_size=128, softmax_scale=None, target="joint", need_p=True):
+    """Shared teacher core. Returns (out_shape, rows) with rows[(b,t)] = (slot positions int array, P values)
+    for the non-empty rows only (P is None when need_p=False)."""
+    if target not in ("joint", "per_head"):
+        raise ValueError(f"target must be 'joint' or 'per_head', got {target!r}")
+    if target == "per_head" and (full_lse is not None or noncompressed_lse is not None):
+        raise ValueError("full_lse / noncompressed_lse with target='per_head' is a contradiction")
+    q, c = _f64(q), _f64(compressed_kv)
+    B, S, H, D = q.shape
+    N = c.shape[1]
+    tau = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if window_kv is not None:
+        S_kv = np.shape(window_kv)[1]
+    elif kv_segment_ids is not None:
+        S_kv = np.shape(kv_segment_ids)[1]
+    elif kv_positions is not None:
+        S_kv = np.shape(kv_positions)[1]
+    else:
+        S_kv = S
+    seg, pos, kv_seg, kv_pos = _resolve_ids(B, S, S_kv, segment_ids, positions, kv_segment_ids, kv_positions)
+    vis = visible_blocks(seg, pos, kv_seg, kv_pos, compress_ratio, num_blocks=N)
+    topk = _i64(topk_indices)
+    out_shape = (B, S, N) if topk is None else (B, S, topk.shape[2])
+
+    F_given = u = None
+    if need_p and target == "joint":
+        if full_lse is not None:
+            F_given = _f64(full_lse)
+        elif noncompressed_lse is not None:
+            u = _f64(noncompressed_lse)
+        else:
+            u = _noncompressed_lse(q, window_kv, sinks=sinks, segment_ids=seg, positions=pos,
+                                   kv_segment_ids=kv_seg, kv_positions=kv_pos, window_size=window_size,
+                                   softmax_scale=tau)
+    rows = {}
+    for b in range(B):
+        for t in range(S):
+            if topk is None:  # dense: slot = block
+                slots = [s for s in range(N) if vis[b, t, s]]
+                blocks = slots
+            else:  # sparse: slot k -> block topk[b,t,k]; invalid slots are never read
+                slots = [k for k in range(topk.shape[2]) if 0 <= topk[b, t, k] < N and vis[b, t, topk[b, t, k]]]
+                blocks = [int(topk[b, t, k]) for k in slots]
+            if not slots:
+                continue  # empty row
+            if not need_p:
+                rows[(b, t)] = (np.asarray(slots, np.int64), None)
+                continue
+            mass = np.zeros(len(slots))  # sum_h pi_h[t, slot]
+            for h in range(H):
+                z = np.array([tau * float(np.dot(q[b, t, h], c[b, s])) for s in blocks])
+                C = _lse(z)  # per-slot: a duplicated block counts twice
+                if target == "per_head":
+                    F = C
+                elif F_given is not None:
+                    F = F_given[b, t, h]
+                else:
+                    F = float(np.logaddexp(u[b, t, h], C))
+                mass += np.exp(z - F)
+            rows[(b, t)] = (np.asarray(slots, np.int64), mass / max(float(mass.sum()), TINY_F32))
+    return out_shape, rows
+
+
+def teacher(q, compressed_kv, **kw):
+    """SPEC §3 target P: float64 [B, S, N] (dense) or [B, S, K] (sparse); 0 outside V(t) and on empty rows.
+
+    q [B,S,H,D], compressed_kv [B,N,D]; keyword args: topk_indices [B,S,K], window_kv [B,S_kv,D], sinks [H],
+    noncompressed_lse [B,S,H], full_lse [B,S,H], segment_ids/positions [B,S], kv_segment_ids/kv_positions
+    [B,S_kv], compress_ratio, window_size, softmax_scale, target in {"joint", "per_head"}.
+    """
+    shape, rows = _rows(q, compressed_kv, **kw)
+    P = np.zeros(shape)
+    for (b, t), (slots, p) in rows.items():
+        P[b, t, slots] = p
+    return P
+
+
+def support(q, compressed_kv, **kw):
+    """V(t) membership: bool [B, S, N] (dense, per block) or [B, S, K] (sparse, per slot)."""
+    shape, rows = _rows(q, compressed_kv, need_p=False, **kw)
+    V = np.zeros(shape, dtype=bool)
+    for (b, t), (slots, _) in rows.items():
+        V[b, t, slots] = True
+    return V
+
+
+def _student(indexer_logits, shape, rows):
+    """Per non-empty row: (slots, P, log Q over V(t)). Logits outside V(t) are never read."""
+    I = _f64(indexer_logits)
+    if I.shape != shape:
+        raise ValueError(f"indexer_logits must have shape {shape}, got {I.shape}")
+    out = {}
+    for (b, t), (slots, p) in rows.items():
+        x = I[b, t, slots]
+        out[(b, t)] = (slots, p, x - _lse(x))  # exact log-softmax over V(t)
+    return out
+
+
+def kl_rows(indexer_logits, q, compressed_kv, **kw):
+    """SPEC §4 per-row KL L[t] = sum_{V(t)} P (log P - log Q), 0*log0 = 0; float64 [B, S] (0 on empty rows)."""
+    return _kl(indexer_logits, q, compressed_kv, **kw)[0]
+
+
+def _kl(indexer_logits, q, compressed_kv, **kw):
+    """Returns (L [B,S], number of non-empty rows)."""
+    shape, rows = _rows(q, compressed_kv, **kw)
+    L = np.zeros(shape[:2])
+    for (b, t), (_, p, logq) in _student(indexer_logits, shape, rows).items():
+        nz = p > 0  # 0 * log 0 = 0
+        L[b, t] = float(np.sum(p[nz] * (np.log(p[nz]) - logq[nz])))
+    return L, len(rows)
+
+
+def _divisor(reduction, L, n_nonempty):
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    return {"mean": max(1, n_nonempty), "mean_all": L.size, "sum": 1, "none": 1}[reduction]
+
+
+def loss(indexer_logits, q, compressed_kv, *, reduction="mean", scale=1.0, **kw):
+    """SPEC §4 reduced loss times scale: float64 scalar, or [B, S] for reduction="none"."""
+    L, n_nonempty = _kl(indexer_logits, q, compressed_kv, **kw)
+    n = _divisor(reduction, L, n_nonempty)
+    if reduction == "none":
+        return scale * L
+    return float(scale * L.sum() / n)
+
+
+def loss_grad(indexer_logits, q, compressed_kv, *, reduction="mean", scale=1.0, cotangent=1.0, **kw):
+    """SPEC §5 analytic gradient wrt indexer_logits (same shape): scale*g*(Q - P)/n on V(t) of non-empty rows,
+    exactly 0 elsewhere. For reduction="none" the cotangent is a [B,S] array g[t] and n = 1.
+    (This equals the true derivative of the loss when the P row sums to 1, i.e. unless the tiny floor is active.)"""
+    shape, rows = _rows(q, compressed_kv, **kw)
+    n = _divisor(reduction, np.zeros(shape[:2]), len(rows))
+    g = np.broadcast_to(_f64(cotangent), shape[:2]) if reduction == "none" else np.full(shape[:2], float(cotangent))
+    G = np.zeros(shape)
+    for (b, t), (slots, p, logq) in _student(indexer_logits, shape, rows).items():
+        G[b, t, slots] = scale * g[b, t] * (np.exp(logq) - p) / n
+    return G
+
+
+def finite_difference_grad(f, x, eps=1e-6, mask=None):
+    """Central differences of scalar f at x in float64 over every element (only where mask is True, 0 elsewhere)."""
+    x = np.array(x, dtype=np.float64)
+    grad = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        if mask is not None and not mask[i]:
+            continue
+        orig = x[i]
+        x[i] = orig + eps
+        fp = float(f(x))
+        x[i] = orig - eps
+        fm = float(f(x))
+        x[i] = orig
+        grad[i] = (fp - fm) / (2 * eps)
+    return grad
