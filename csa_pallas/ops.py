@@ -49,6 +49,7 @@ class DenseLayout:
     """Padded kernel inputs shared by the teacher and KL kernels (block sizes from the teacher config)."""
 
     cfg: teacher_kernel.TeacherConfig
+    schedule: common.TileSchedule
     seq_len: int
     num_blocks: int
     qmeta: jax.Array  # int32 [B, S_p, 128]
@@ -85,7 +86,10 @@ def dense_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] =
     kmeta = common.key_meta(block_segment, block_end, n_p, masks.INVALID_BLOCK_END)
     need = common.tile_need(qmeta, kmeta, cfg.block_q, cfg.block_k)
     tiles, counts = common.compact_tile_table(need)
-    return DenseLayout(cfg=cfg, seq_len=problem.seq_len, num_blocks=problem.num_blocks, qmeta=qmeta, kmeta=kmeta,
+    schedule = common.TileSchedule(causal=problem.default_ids, nq=s_p // cfg.block_q, nk=n_p // cfg.block_k,
+                                   block_q=cfg.block_q, block_k=cfg.block_k, ratio=problem.compress_ratio,
+                                   num_blocks=problem.num_blocks)
+    return DenseLayout(cfg=cfg, schedule=schedule, seq_len=problem.seq_len, num_blocks=problem.num_blocks, qmeta=qmeta, kmeta=kmeta,
                        tiles=tiles, counts=counts, fetch=common.fetch_table(need))
 
 
@@ -107,16 +111,18 @@ def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig
         cfg = window_kernel.default_config(num_heads=h, head_dim=problem.head_dim, seq_len=s, dtype=dtype,
                                            head_chunk=problem.head_chunk)
     s_p = window_kernel.padded_len(s, cfg)
-    q = _pad_axis(problem.q.astype(dtype), 1, s_p)
-    kv = _pad_axis(problem.window_kv.astype(dtype), 1, s_p)
+    # Teacher side: stop_gradient before the kernels, so differentiating wrt these inputs gives exact zeros.
+    q = _pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, s_p)
+    kv = _pad_axis(jax.lax.stop_gradient(problem.window_kv).astype(dtype), 1, s_p)
     qmeta = common.query_meta(problem.segment_ids, problem.positions, s_p)
     wmeta = common.key_meta(problem.kv_segment_ids, problem.kv_positions, s_p, 0)
     wmeta = wmeta.at[:, 2, :].set((jnp.arange(s_p) < problem.kv_len).astype(jnp.int32)[None])
     lse = window_kernel.window_lse_pallas(q, kv, qmeta, wmeta, cfg=cfg, window_size=problem.window_size,
                                           scale=problem.softmax_scale, interpret=runtime.interpret_mode())
-    lse = common.stats_from_kernel_layout(lse)[:, :s]
+    lse = common.row_layout(h, cfg.head_chunk, cfg.block_q, dtype).stats_from_hbm(lse)[:, :s]
     if problem.sinks is not None:
-        lse = jnp.logaddexp(lse, problem.sinks.astype(jnp.float32)[None, None, :])
+        sinks = jax.lax.stop_gradient(problem.sinks).astype(jnp.float32)
+        lse = jnp.logaddexp(lse, sinks[None, None, :])
     return lse
 
 
@@ -125,8 +131,8 @@ def _teacher_padded(problem: Problem, layout: DenseLayout) -> jax.Array:
     cfg = layout.cfg
     mode = teacher_mode(problem)
     dtype = _compute_dtype(problem.q, problem.compressed_kv)
-    q = _pad_axis(problem.q.astype(dtype), 1, layout.padded_seq)
-    kv = _pad_axis(problem.compressed_kv.astype(dtype), 1, layout.padded_blocks)
+    q = _pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
+    kv = _pad_axis(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype), 1, layout.padded_blocks)
     lse_in = None
     if mode != "per_head":
         if mode == "full_lse":
@@ -135,11 +141,11 @@ def _teacher_padded(problem: Problem, layout: DenseLayout) -> jax.Array:
             stats = problem.noncompressed_lse
         else:
             stats = noncompressed_lse(problem)
-        stats = _pad_axis(stats.astype(jnp.float32), 1, layout.padded_seq)
-        lse_in = common.stats_to_kernel_layout(stats, cfg.head_chunk, cfg.block_q)
+        stats = _pad_axis(jax.lax.stop_gradient(stats).astype(jnp.float32), 1, layout.padded_seq)
+        lse_in = common.row_layout(problem.num_heads, cfg.head_chunk, cfg.block_q, dtype).stats_to_hbm(stats)
     target = teacher_kernel.teacher_pallas(q, kv, layout.qmeta, layout.kmeta, layout.tiles, layout.counts, lse_in,
                                            mode=mode, cfg=cfg, scale=problem.softmax_scale,
-                                           interpret=runtime.interpret_mode())
+                                           schedule=layout.schedule, interpret=runtime.interpret_mode())
     return jax.lax.stop_gradient(target)
 
 
@@ -154,15 +160,14 @@ def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherC
 
 @dataclasses.dataclass(frozen=True)
 class _KLStatic:
-    block_q: int
-    block_k: int
+    schedule: common.TileSchedule
     interpret: object
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kl_stats(static: _KLStatic, logits, target, qmeta, kmeta, tiles, counts, fetch):
-    return kl_kernels.kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, block_q=static.block_q,
-                                        block_k=static.block_k, interpret=static.interpret)
+    return kl_kernels.kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, schedule=static.schedule,
+                                        interpret=static.interpret)
 
 
 def _kl_stats_fwd(static, logits, target, qmeta, kmeta, tiles, counts, fetch):
@@ -176,8 +181,8 @@ def _kl_stats_bwd(static, residuals, cotangent):
     coef = cotangent[:, :, 0, :]
     rowstats = jnp.zeros_like(stats).at[:, :, 0].set(stats[:, :, 1]).at[:, :, 1].set(coef).at[:, :, 2].set(
         stats[:, :, 2])
-    grad = kl_kernels.kl_backward_pallas(target, logits, qmeta, kmeta, fetch, rowstats, block_q=static.block_q,
-                                         block_k=static.block_k, interpret=static.interpret)
+    grad = kl_kernels.kl_backward_pallas(target, logits, qmeta, kmeta, fetch, rowstats, schedule=static.schedule,
+                                         interpret=static.interpret)
     return grad, None, None, None, None, None, None
 
 
@@ -188,7 +193,7 @@ def kl_rows(indexer_logits, target_padded, layout: DenseLayout):
     """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S]."""
     b, s, n = indexer_logits.shape
     logits = _pad_axis(_pad_axis(indexer_logits, 1, layout.padded_seq), 2, layout.padded_blocks)
-    static = _KLStatic(layout.cfg.block_q, layout.cfg.block_k, runtime.interpret_mode())
+    static = _KLStatic(layout.schedule, runtime.interpret_mode())
     stats = _kl_stats(static, logits, target_padded, layout.qmeta, layout.kmeta, layout.tiles, layout.counts,
                       layout.fetch)
     rows = stats[:, :, 0, :].reshape(b, -1)[:, :s]

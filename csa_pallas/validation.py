@@ -41,6 +41,7 @@ class Problem:
     target: str
     head_chunk: Optional[int]  # None: the kernel config's default
     implementation: Optional[str]
+    default_ids: bool = False  # no ids/positions given: one document, positions 0..S-1, S_kv == S
 
     @property
     def batch(self) -> int:
@@ -182,6 +183,7 @@ def validate(
     if head_chunk is not None:
         head_chunk = resolve_head_chunk(head_chunk, h)
 
+    default_ids = all(x is None for x in (segment_ids, positions, kv_segment_ids, kv_positions))
     # Query-side packing arrays.
     if segment_ids is not None:
         _check_shape("segment_ids", segment_ids, (b, s), "[B, S] from q")
@@ -263,7 +265,8 @@ def validate(
                    kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, topk_indices=topk_indices,
                    window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse, full_lse=full_lse,
                    compress_ratio=compress_ratio, window_size=window_size, softmax_scale=softmax_scale,
-                   target=target, head_chunk=head_chunk, implementation=implementation)
+                   target=target, head_chunk=head_chunk, implementation=implementation,
+                   default_ids=default_ids and kv_len == s)
 
 
 def validate_logits(indexer_logits, problem: Problem) -> None:

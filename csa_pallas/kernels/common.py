@@ -14,6 +14,8 @@ Conventions (splash-attention style, adapted):
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -67,17 +69,89 @@ def key_meta(segments, ends, padded_len: int, pad_end):
     return meta.at[:, 0, :].set(segments).at[:, 1, :].set(ends)
 
 
-def stats_to_kernel_layout(x, head_chunk: int, block_q: int):
-    """f32 [B, S_p, H] per-(row, head) statistics -> [B, H/hc, S_p/bq, hc, bq] (lane-dense per block)."""
-    b, s, h = x.shape
-    x = x.reshape(b, s // block_q, block_q, h // head_chunk, head_chunk)
-    return jnp.transpose(x, (0, 3, 1, 4, 2))
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """How the hc heads x bq queries of one grid step are laid out as matmul rows.
+
+    token_major (r = t*hc + h): the q block [bq, hc, D] is reshaped in place (free when hc is a multiple of the
+    sublane tile), heads are summed over axis 1. head_major (r = h*bq + t): any head_chunk; the chunk's heads are
+    first copied into a rows scratch, heads are summed over axis 0. Per-(query, head) statistics are stored in HBM
+    as [B, H/hc, S_p/bq] blocks of shape `view` (lane-dense, legal for any bq).
+    """
+
+    block_q: int
+    head_chunk: int
+    token_major: bool
+
+    @property
+    def view(self):
+        return (self.block_q, self.head_chunk) if self.token_major else (self.head_chunk, self.block_q)
+
+    @property
+    def head_axis(self) -> int:
+        return 1 if self.token_major else 0
+
+    @property
+    def rows(self) -> int:
+        return self.block_q * self.head_chunk
+
+    def expand_mask(self, mask):
+        """[bq, bk] query-by-key mask -> broadcastable against the [*view, bk] scores."""
+        return mask[:, None, :] if self.token_major else mask[None]
+
+    def stats_to_hbm(self, x):
+        """f32 [B, S_p, H] -> [B, H/hc, S_p/bq, *view]."""
+        b, s, h = x.shape
+        x = x.reshape(b, s // self.block_q, self.block_q, h // self.head_chunk, self.head_chunk)
+        return jnp.transpose(x, (0, 3, 1, 2, 4) if self.token_major else (0, 3, 1, 4, 2))
+
+    def stats_from_hbm(self, x):
+        """Inverse of `stats_to_hbm`: [B, nh, nq, *view] -> [B, S_p, H]."""
+        b, nh, nq = x.shape[:3]
+        x = jnp.transpose(x, (0, 2, 3, 1, 4) if self.token_major else (0, 2, 4, 1, 3))
+        return x.reshape(b, nq * self.block_q, nh * self.head_chunk)
+
+    def block_to_column(self, x):
+        """A stats block [*view] -> column [*view, 1] aligned with the score rows."""
+        return rows_to_column(x).reshape(*self.view, 1)
+
+    def column_to_block(self, col):
+        return column_to_rows(col.reshape(self.rows, 1), self.view[0])
 
 
-def stats_from_kernel_layout(x):
-    """Inverse of `stats_to_kernel_layout`: [B, nh, nq, hc, bq] -> [B, S_p, H]."""
-    b, nh, nq, hc, bq = x.shape
-    return jnp.transpose(x, (0, 2, 4, 1, 3)).reshape(b, nq * bq, nh * hc)
+def row_layout(num_heads: int, head_chunk: int, block_q: int, dtype) -> RowLayout:
+    token_major = head_group(num_heads, head_chunk, dtype) == head_chunk and head_chunk % sublane_multiple(dtype) == 0
+    return RowLayout(block_q, head_chunk, token_major)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileSchedule:
+    """Which kv tiles query tile qi visits, and in which order.
+
+    causal: default ids (one document, positions 0..S-1, S_kv == S): the visible blocks of tile qi are a static
+    prefix computed from the grid indices, so the compiler (and static estimators) see the loop bounds. Otherwise
+    the compacted tables (`compact_tile_table`) passed by scalar prefetch decide, splash style.
+    """
+
+    causal: bool
+    nq: int
+    nk: int
+    block_q: int
+    block_k: int
+    ratio: int
+    num_blocks: int
+
+    def count(self, counts_ref, b, qi):
+        if not self.causal:
+            return counts_ref[b * self.nq + qi]
+        last_block = jnp.minimum(lax.div(qi * self.block_q + self.block_q, self.ratio) - 1, self.num_blocks - 1)
+        return jnp.where(last_block >= 0, lax.div(jnp.maximum(last_block, 0), self.block_k) + 1, 0)
+
+    def tile(self, tiles_ref, counts_ref, b, qi, k):
+        """The k-th visited tile (padding steps repeat the last one, so nothing is re-fetched)."""
+        if not self.causal:
+            return tiles_ref[(b * self.nq + qi) * self.nk + k]
+        return jnp.maximum(jnp.minimum(k, self.count(counts_ref, b, qi) - 1), 0)
 
 
 def rows_to_column(x):

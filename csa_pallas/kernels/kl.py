@@ -35,13 +35,14 @@ def _visible(qmeta_ref, kmeta_ref):
 
 
 def _fwd_kernel(tiles_ref, counts_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, stats_ref, m_ref, l_ref, s1_ref, a_ref,
-                s3_ref, cnt_ref, *, nq, nk, block_q, block_k):
-    lanes = min(common.LANES, block_k)
+                s3_ref, cnt_ref, *, schedule):
+    nq, nk = schedule.nq, schedule.nk
+    lanes = min(common.LANES, schedule.block_k)
     pid = pl.program_id(0)
     k = pl.program_id(1)
     b = lax.div(pid, nq)
     qi = common.zigzag(lax.rem(pid, nq), nq)
-    count = counts_ref[b * nq + qi]
+    count = schedule.count(counts_ref, b, qi)
 
     @pl.when(k == 0)
     def _():
@@ -93,25 +94,26 @@ def _fwd_kernel(tiles_ref, counts_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, stats
         stats_ref[...] = common.column_to_rows(cols, STAT_ROWS)
 
 
-def kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, *, block_q: int, block_k: int, interpret=False):
+def kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, *, schedule: common.TileSchedule,
+                      interpret=False):
     """Per-row KL and student statistics.
 
     Args:
       target: P, f32 [B, S_p, N_p]; logits: I, float [B, S_p, N_p]; qmeta [B, S_p, 128], kmeta [B, 8, N_p];
-      tiles, counts: the compacted kv-tile table of the teacher (same block_q, block_k).
+      tiles, counts, schedule: the teacher's kv-tile schedule (same block_q, block_k).
 
     Returns:
       f32 [B, nq, 8, bq]: row 0 KL, row 1 lse (0 on empty rows), row 2 sum P, row 3 non-empty (1/0).
     """
     b, s_p, n_p = target.shape
-    bq, bk = block_q, block_k
-    nq, nk = s_p // bq, n_p // bk
+    bq, bk = schedule.block_q, schedule.block_k
+    nq, nk = schedule.nq, schedule.nk
     lanes = min(common.LANES, bk)
 
     def tile_map(pid, k, tiles_ref, counts_ref):
         bb = lax.div(pid, nq)
         qi = common.zigzag(lax.rem(pid, nq), nq)
-        return bb, qi, tiles_ref[(bb * nq + qi) * nk + k]
+        return bb, qi, schedule.tile(tiles_ref, counts_ref, bb, qi, k)
 
     def p_map(pid, k, tiles_ref, counts_ref):
         return tile_map(pid, k, tiles_ref, counts_ref)
@@ -128,7 +130,7 @@ def kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, *, block_q: i
         bb, qi, _ = tile_map(pid, k, tiles_ref, counts_ref)
         return bb, qi, 0, 0
 
-    kernel = functools.partial(_fwd_kernel, nq=nq, nk=nk, block_q=bq, block_k=bk)
+    kernel = functools.partial(_fwd_kernel, schedule=schedule)
     vmem = 2 * (2 * bq * bk * 4 + bq * common.LANES * 4 + common.SUBLANES * max(bk, 128) * 4) + 6 * bq * 128 * 4
     return pl.pallas_call(
         kernel,
@@ -149,8 +151,17 @@ def kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, *, block_q: i
     )(tiles, counts, target, logits, qmeta, kmeta)
 
 
-def _bwd_kernel(fetch_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, rowstats_ref, grad_ref, cols_ref, *, nq, nk,
-                block_q):
+def _fetch(schedule, fetch_ref, b, qi, k):
+    """Tile resident at natural step k of the backward, and whether step k's tile is needed at all."""
+    if schedule.causal:
+        count = schedule.count(None, b, qi)
+        return jnp.maximum(jnp.minimum(k, count - 1), 0), k < count
+    tile = fetch_ref[(b * schedule.nq + qi) * schedule.nk + k]
+    return tile, tile == k
+
+
+def _bwd_kernel(fetch_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, rowstats_ref, grad_ref, cols_ref, *, schedule):
+    nq, block_q = schedule.nq, schedule.block_q
     pid = pl.program_id(0)
     k = pl.program_id(1)
     b = lax.div(pid, nq)
@@ -160,7 +171,7 @@ def _bwd_kernel(fetch_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, rowstats_ref, gra
     def _():
         cols_ref[...] = common.rows_to_column(rowstats_ref[...]).reshape(STAT_ROWS, block_q, 1)
 
-    needed = fetch_ref[(b * nq + qi) * nk + k] == k
+    _, needed = _fetch(schedule, fetch_ref, b, qi, k)
 
     @pl.when(needed)
     def _():
@@ -176,26 +187,27 @@ def _bwd_kernel(fetch_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, rowstats_ref, gra
         grad_ref[...] = jnp.zeros(grad_ref.shape, grad_ref.dtype)
 
 
-def kl_backward_pallas(target, logits, qmeta, kmeta, fetch, rowstats, *, block_q: int, block_k: int,
+def kl_backward_pallas(target, logits, qmeta, kmeta, fetch, rowstats, *, schedule: common.TileSchedule,
                        interpret=False):
     """Gradient of sum_t coef[t] * KL[t] wrt the logits.
 
     Args:
       target, logits, qmeta, kmeta: as in `kl_forward_pallas`.
-      fetch: int32 [B*nq*nk] from `common.fetch_table` (which tile to have resident at natural step k).
+      fetch: int32 [B*nq*nk] from `common.fetch_table` (which tile to have resident at natural step k; ignored
+        when schedule.causal).
       rowstats: f32 [B, nq, 8, bq]: row 0 lse, row 1 coef, row 2 sum P (rest unused).
 
     Returns:
       dI with the logits' dtype, [B, S_p, N_p].
     """
     b, s_p, n_p = target.shape
-    bq, bk = block_q, block_k
-    nq, nk = s_p // bq, n_p // bk
+    bq, bk = schedule.block_q, schedule.block_k
+    nq, nk = schedule.nq, schedule.nk
 
     def in_map(pid, k, fetch_ref):
         bb = lax.div(pid, nq)
         qi = lax.rem(pid, nq)
-        return bb, qi, fetch_ref[(bb * nq + qi) * nk + k]
+        return bb, qi, _fetch(schedule, fetch_ref, bb, qi, k)[0]
 
     def kmeta_map(pid, k, fetch_ref):
         return lax.div(pid, nq), 0, k
@@ -209,7 +221,7 @@ def kl_backward_pallas(target, logits, qmeta, kmeta, fetch, rowstats, *, block_q
     def out_map(pid, k, fetch_ref):
         return lax.div(pid, nq), lax.rem(pid, nq), k
 
-    kernel = functools.partial(_bwd_kernel, nq=nq, nk=nk, block_q=bq)
+    kernel = functools.partial(_bwd_kernel, schedule=schedule)
     vmem = 2 * (3 * bq * bk * 4 + bq * common.LANES * 4 + common.SUBLANES * max(bk, 128) * 4)
     return pl.pallas_call(
         kernel,

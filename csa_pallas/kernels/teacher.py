@@ -120,15 +120,17 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: i
         bq //= 2
 
 
-def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, nq, nk, nh,
-            block_q, block_k, head_chunk, group, scale):
+def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, schedule, nh,
+            layout, group, scale):
     if mode == "per_head":
         lse_ref = None
-        out_ref, rows_ref, m_ref, l_ref, f_ref, *cache = refs
+        out_ref, m_ref, l_ref, f_ref, *extra = refs
     else:
-        lse_ref, out_ref, rows_ref, m_ref, l_ref, f_ref, *cache = refs
-    cache_ref = cache[0] if cache_scores else None
-    bq, bk, hc = block_q, block_k, head_chunk
+        lse_ref, out_ref, m_ref, l_ref, f_ref, *extra = refs
+    rows_ref = None if layout.token_major else extra.pop(0)
+    cache_ref = extra[0] if cache_scores else None
+    nq, nk = schedule.nq, schedule.nk
+    bq, bk, hc = layout.block_q, schedule.block_k, layout.head_chunk
     lanes = min(common.LANES, bk)
     two_pass = mode != "full_lse"
 
@@ -137,15 +139,14 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, m
     step = pl.program_id(2)
     b = lax.div(p, nq)
     qi = common.zigzag(lax.rem(p, nq), nq)
-    row = b * nq + qi
-    count = counts_ref[row]
+    count = schedule.count(counts_ref, b, qi)
     if two_pass:
         in_pass1 = step < nk
         k = jnp.where(in_pass1, step, step - nk)
     else:
         in_pass1 = False
         k = step
-    tile = tiles_ref[row * nk + k]
+    tile = schedule.tile(tiles_ref, counts_ref, b, qi, k)
     active = k < count
     last_step = (2 * nk if two_pass else nk) - 1
 
@@ -155,23 +156,20 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, m
 
     @pl.when(step == 0)
     def _():
-        common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
+        if not layout.token_major:
+            common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
         if two_pass:
             m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         else:
-            f = common.rows_to_column(lse_ref[...].astype(jnp.float32)).reshape(hc, bq, 1)
+            f = layout.block_to_column(lse_ref[...].astype(jnp.float32))
             f_ref[...] = jnp.where(jnp.isfinite(f), f, 0.0)
 
     def masked_scores():
-        z = lax.dot_general(rows_ref[...], kv_ref[...], (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale
-        qseg = qmeta_ref[:, 0:1]
-        qpos = qmeta_ref[:, 1:2]
-        kseg = kmeta_ref[0:1, :]
-        kend = kmeta_ref[1:2, :]
-        visible = (kseg == qseg) & (kend <= qpos)  # [bq, bk]
-        return jnp.where(visible[None], z.reshape(hc, bq, bk), -jnp.inf)
+        rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
+        z = lax.dot_general(rows, kv_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        visible = (kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (kmeta_ref[1:2, :] <= qmeta_ref[:, 1:2])  # [bq, bk]
+        return jnp.where(layout.expand_mask(visible), (z * scale).reshape(*layout.view, bk), -jnp.inf)
 
     if two_pass:
         @pl.when(in_pass1 & active)
@@ -183,16 +181,15 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, m
 
         @pl.when(step == nk - 1)
         def _():
-            lse = common.finish_lse(m_ref[...], l_ref[...])  # C: [hc, bq, 1]
+            lse = common.finish_lse(m_ref[...], l_ref[...])  # C: [*view, 1]
             if mode == "joint":
-                u = common.rows_to_column(lse_ref[...].astype(jnp.float32)).reshape(hc, bq, 1)
-                lse = common.logaddexp(u, lse)
+                lse = common.logaddexp(layout.block_to_column(lse_ref[...].astype(jnp.float32)), lse)
             f_ref[...] = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
     @pl.when(jnp.logical_not(in_pass1) & active)
     def _():
         z = cache_ref[k] if cache_scores else masked_scores()
-        probs = jnp.sum(jnp.exp(z - f_ref[...]), axis=0)  # [bq, bk], summed over the chunk's heads
+        probs = jnp.sum(jnp.exp(z - f_ref[...]), axis=layout.head_axis)  # [bq, bk], summed over the chunk
         if bk == out_ref.shape[-1]:
             out_ref[...] += probs
         else:
@@ -207,15 +204,16 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, m
 
 
 def teacher_pallas(q, kv, qmeta, kmeta, tiles, counts, lse_in, *, mode: str, cfg: TeacherConfig, scale: float,
-                   interpret=False):
+                   schedule: common.TileSchedule, interpret=False):
     """Runs the dense teacher kernel on padded, prepared inputs.
 
     Args:
       q: [B, S_p, H, D] (bf16/f32), S_p a multiple of cfg.block_q.
       kv: [B, N_p, D] same dtype as q, N_p a multiple of cfg.block_k.
       qmeta: int32 [B, S_p, 128]; kmeta: int32 [B, 8, N_p] (see `common`).
-      tiles, counts: compacted kv-tile table from `common.compact_tile_table`.
-      lse_in: None (per_head), u (joint) or F (full_lse), f32 in kernel layout [B, H/hc, S_p/bq, hc, bq].
+      tiles, counts: compacted kv-tile table from `common.compact_tile_table` (ignored when schedule.causal).
+      lse_in: None (per_head), u (joint) or F (full_lse), f32 in the row layout's HBM form
+        (`common.row_layout(...).stats_to_hbm`).
       mode: "per_head" | "joint" | "full_lse".
 
     Returns:
@@ -228,20 +226,20 @@ def teacher_pallas(q, kv, qmeta, kmeta, tiles, counts, lse_in, *, mode: str, cfg
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     nq, nk, nh = s_p // bq, n_p // bk, h // hc
     group = common.head_group(h, hc, q.dtype)
+    layout = common.row_layout(h, hc, bq, q.dtype)
     steps = 2 * nk if mode != "full_lse" else nk
     cached = cfg.cache_scores and mode != "full_lse"
 
     def decode(p, step, tiles_ref, counts_ref):
         bb = lax.div(p, nq)
         qi = common.zigzag(lax.rem(p, nq), nq)
-        row = bb * nq + qi
         if mode == "full_lse":
             k = step
         elif cached:  # pass 2 reads VMEM: keep the last block resident
             k = jnp.minimum(step, nk - 1)
         else:
             k = jnp.where(step < nk, step, step - nk)
-        return bb, qi, tiles_ref[row * nk + k]
+        return bb, qi, schedule.tile(tiles_ref, counts_ref, bb, qi, k)
 
     def q_map(p, c, step, tiles_ref, counts_ref):
         bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
@@ -271,20 +269,22 @@ def teacher_pallas(q, kv, qmeta, kmeta, tiles, counts, lse_in, *, mode: str, cfg
     ]
     operands = [q, kv, qmeta, kmeta]
     if mode != "per_head":
-        in_specs.append(pl.BlockSpec((None, None, None, hc, bq), lse_map))
+        in_specs.append(pl.BlockSpec((None, None, None, *layout.view), lse_map))
         operands.append(lse_in)
     lanes = min(common.LANES, bk)
     scratch = [
-        pltpu.VMEM((hc * bq, d), q.dtype),
-        pltpu.VMEM((hc, bq, lanes), jnp.float32),
-        pltpu.VMEM((hc, bq, lanes), jnp.float32),
-        pltpu.VMEM((hc, bq, 1), jnp.float32),
+        pltpu.VMEM((*layout.view, lanes), jnp.float32),
+        pltpu.VMEM((*layout.view, lanes), jnp.float32),
+        pltpu.VMEM((*layout.view, 1), jnp.float32),
     ]
+    if not layout.token_major:
+        scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
     if cached:
-        scratch.append(pltpu.VMEM((nk, hc, bq, bk), jnp.float32))
-    kernel = functools.partial(_kernel, mode=mode, cache_scores=cached, nq=nq, nk=nk, nh=nh, block_q=bq,
-                               block_k=bk, head_chunk=hc, group=group, scale=scale)
+        scratch.append(pltpu.VMEM((nk, *layout.view, bk), jnp.float32))
+    kernel = functools.partial(_kernel, mode=mode, cache_scores=cached, schedule=schedule, nh=nh, layout=layout,
+                               group=group, scale=scale)
     flops = 2 * b * s_p * h * n_p * d * (1 if cached or mode == "full_lse" else 2)
+    order = "tok" if layout.token_major else "head"
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -301,5 +301,5 @@ def teacher_pallas(q, kv, qmeta, kmeta, tiles, counts, lse_in, *, mode: str, cfg
         cost_estimate=pl.CostEstimate(flops=flops // 2, transcendentals=b * s_p * h * n_p,
                                       bytes_accessed=q.size * q.dtype.itemsize + b * s_p * n_p * 4),
         interpret=interpret,
-        name=f"csa_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}{'_cached' if cached else ''}",
+        name=f"csa_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}{'_cached' if cached else ''}",
     )(tiles, counts, *operands)

@@ -80,9 +80,10 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, dtype, head_c
     return dataclasses.replace(cfg, vmem_limit_bytes=min(max(int(need * 1.25) + 4 * MiB, 32 * MiB), 64 * MiB))
 
 
-def _kernel(q_ref, kv_ref, qmeta_ref, kmeta_ref, out_ref, rows_ref, m_ref, l_ref, *, nq, num_kv_tiles, block_q,
-            block_k, head_chunk, group, window_size, scale):
-    bq, bk, hc = block_q, block_k, head_chunk
+def _kernel(q_ref, kv_ref, qmeta_ref, kmeta_ref, out_ref, m_ref, l_ref, *rows, nq, num_kv_tiles, layout, block_k,
+            group, window_size, scale):
+    bq, bk, hc = layout.block_q, block_k, layout.head_chunk
+    rows_ref = rows[0] if rows else None
     p = pl.program_id(0)
     c = pl.program_id(1)
     k = pl.program_id(2)
@@ -91,24 +92,24 @@ def _kernel(q_ref, kv_ref, qmeta_ref, kmeta_ref, out_ref, rows_ref, m_ref, l_ref
 
     @pl.when(k == 0)
     def _():
-        common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
+        if not layout.token_major:
+            common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
         m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
 
     @pl.when(first + k <= last)
     def _():
-        z = lax.dot_general(rows_ref[...], kv_ref[...], (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale
+        rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
+        z = lax.dot_general(rows, kv_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         delta = qmeta_ref[:, 1:2] - kmeta_ref[1:2, :]
         inside = ((kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (delta >= 0) & (delta < window_size)
                   & (kmeta_ref[2:3, :] != 0))
-        z = jnp.where(inside[None], z.reshape(hc, bq, bk), -jnp.inf)
+        z = jnp.where(layout.expand_mask(inside), z.reshape(*layout.view, bk), -jnp.inf)
         common.online_lse_update(m_ref, l_ref, z, min(common.LANES, bk))
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _():
-        lse = common.finish_lse(m_ref[...], l_ref[...])  # [hc, bq, 1]
-        out_ref[...] = common.column_to_rows(lse.reshape(hc * bq, 1), hc)
+        out_ref[...] = layout.column_to_block(common.finish_lse(m_ref[...], l_ref[...]))
 
 
 def _band(qi, bq, bk, window_size, num_kv_tiles):
@@ -127,13 +128,14 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
       wmeta: int32 [B, 8, S_p] (row 0 segment, row 1 position, row 2 = 1 for real keys, 0 for padding).
 
     Returns:
-      f32 [B, H/hc, S_p/bq, hc, bq] (kernel stats layout), -inf where the window is empty.
+      f32 [B, H/hc, S_p/bq, *layout.view] (the row layout's HBM stats form), -inf where the window is empty.
     """
     b, s_p, h, d = q.shape
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     nq, nkt, nh = s_p // bq, s_p // bk, h // hc
     band = band_tiles(cfg, window_size, nkt)
     group = common.head_group(h, hc, q.dtype)
+    layout = common.row_layout(h, hc, bq, q.dtype)
 
     def kv_tile(p, k):
         qi = common.zigzag(lax.rem(p, nq), nq)
@@ -157,9 +159,12 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
     def out_map(p, c, k):
         return lax.div(p, nq), c, common.zigzag(lax.rem(p, nq), nq), 0, 0
 
-    kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, block_q=bq, block_k=bk, head_chunk=hc,
-                               group=group, window_size=window_size, scale=scale)
+    kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, layout=layout, block_k=bk, group=group,
+                               window_size=window_size, scale=scale)
     lanes = min(common.LANES, bk)
+    scratch = [pltpu.VMEM((*layout.view, lanes), jnp.float32), pltpu.VMEM((*layout.view, lanes), jnp.float32)]
+    if not layout.token_major:
+        scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
     return pl.pallas_call(
         kernel,
         grid=(b * nq, nh, band),
@@ -169,14 +174,13 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
             pl.BlockSpec((None, bq, common.LANES), qmeta_map),
             pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map),
         ],
-        out_specs=pl.BlockSpec((None, None, None, hc, bq), out_map),
-        out_shape=jax.ShapeDtypeStruct((b, nh, nq, hc, bq), jnp.float32),
-        scratch_shapes=[pltpu.VMEM((hc * bq, d), q.dtype), pltpu.VMEM((hc, bq, lanes), jnp.float32),
-                        pltpu.VMEM((hc, bq, lanes), jnp.float32)],
+        out_specs=pl.BlockSpec((None, None, None, *layout.view), out_map),
+        out_shape=jax.ShapeDtypeStruct((b, nh, nq, *layout.view), jnp.float32),
+        scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=2 * b * s_p * h * band * bk * d, transcendentals=b * s_p * h * band * bk,
                                       bytes_accessed=q.size * q.dtype.itemsize),
         interpret=interpret,
-        name=f"csa_window_lse_bq{bq}_bk{bk}_hc{hc}",
+        name=f"csa_window_lse_bq{bq}_bk{bk}_hc{hc}_{'tok' if layout.token_major else 'head'}",
     )(q, window_kv, qmeta, wmeta)

@@ -1,0 +1,64 @@
+"""v5p AOT compiles of the shipped dense configurations (real Mosaic + XLA:TPU compilers on a CPU host).
+
+Forward + backward at the DeepSeek-V4-Flash shape (B=1, H=64, D=512, m=4, W=128, bf16) for S=4096 and S=32768,
+both targets: the program must compile and its temp HBM must stay <= 1.25 x one [B, S, N] f32 array + 64 MiB.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import csa_pallas
+from csa_pallas import aot
+
+MiB = 1 << 20
+FLASH = dict(batch=1, heads=64, head_dim=512, ratio=4, window=128)
+
+
+def require_libtpu():
+    if not aot.libtpu_available():
+        if os.environ.get("CSA_PALLAS_ALLOW_NO_LIBTPU") == "1":
+            pytest.skip("libtpu not installed and CSA_PALLAS_ALLOW_NO_LIBTPU=1")
+        pytest.fail("libtpu is required for the v5p AOT tests: pip install 'jax[tpu]==0.10.2'")
+
+
+def loss_and_grad_program(target, head_chunk=None, *, heads=64, head_dim=512, window=128, ratio=4):
+    def program(logits, q, compressed_kv, window_kv, sinks):
+        kwargs = dict(window_kv=window_kv, sinks=sinks) if target == "joint" else {}
+        loss = lambda x: csa_pallas.indexer_distill_loss(x, q, compressed_kv, target=target, window_size=window,
+                                                         compress_ratio=ratio, head_chunk=head_chunk,
+                                                         implementation="pallas", **kwargs)
+        return jax.value_and_grad(loss)(logits)
+    return program
+
+
+def input_structs(seq, *, batch=1, heads=64, head_dim=512, ratio=4, dtype=jnp.bfloat16):
+    n = seq // ratio
+    return (aot.struct((batch, seq, n), jnp.float32), aot.struct((batch, seq, heads, head_dim), dtype),
+            aot.struct((batch, n, head_dim), dtype), aot.struct((batch, seq, head_dim), dtype),
+            aot.struct((heads,), jnp.float32))
+
+
+@pytest.mark.parametrize("seq", [4096, 32768])
+@pytest.mark.parametrize("target", ["per_head", "joint"])
+def test_flash_shape_forward_backward_compiles_within_memory_bound(seq, target):
+    require_libtpu()
+    report = aot.compile_memory(loss_and_grad_program(target), *input_structs(seq))
+    one_target = seq * (seq // 4) * 4
+    bound = 1.25 * one_target + 64 * MiB
+    assert 0 < report.temp_bytes <= bound, (report, bound)
+
+
+@pytest.mark.parametrize("head_chunk", [8, 16])
+def test_small_head_chunks_and_head_major_rows_compile(head_chunk):
+    # head_chunk 8 with bf16 is not a whole sublane tile: the kernel copies heads into head-major rows.
+    require_libtpu()
+    aot.compile_for_tpu(loss_and_grad_program("joint", head_chunk), *input_structs(1024))
+
+
+def test_small_model_f32_compiles():
+    require_libtpu()
+    program = loss_and_grad_program("joint", heads=8, head_dim=128, window=32)
+    aot.compile_for_tpu(program, *input_structs(1024, heads=8, head_dim=128, dtype=jnp.float32))

@@ -1,0 +1,186 @@
+"""Dense Pallas kernels (interpret mode on CPU, compiled on a TPU) against the pure-JAX reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.experimental.pallas import tpu as pltpu
+
+import csa_pallas
+from csa_pallas import ops, reference, validation
+from csa_pallas.kernels import runtime
+from csa_pallas.kernels.teacher import TeacherConfig
+
+from kernel_cases import assert_matches, make_case, run_case
+
+# Small tiles so that modest shapes still walk many query tiles, several kv tiles, padding and the block tables.
+SMALL_TILES = TeacherConfig(block_q=16, block_k=128, head_chunk=1, cache_scores=False, vmem_limit_bytes=32 << 20)
+
+
+def small_tiles(head_chunk, cache=False):
+    return TeacherConfig(block_q=16, block_k=128, head_chunk=head_chunk, cache_scores=cache,
+                         vmem_limit_bytes=32 << 20)
+
+
+@settings(max_examples=8)
+@given(
+    seq=st.integers(5, 300),
+    heads=st.sampled_from([1, 2, 4, 8]),
+    head_dim=st.sampled_from([32, 64, 128]),
+    ratio=st.sampled_from([1, 2, 4]),
+    target=st.sampled_from(["per_head", "joint"]),
+    num_docs=st.integers(1, 3),
+    sinks=st.booleans(),
+    bf16=st.booleans(),
+    window=st.integers(1, 40),
+    chunk_pick=st.integers(0, 3),
+    tiles=st.sampled_from(["default", "small", "small_cached"]),
+    seed=st.integers(0, 2**16),
+)
+def test_kernels_match_reference(seq, heads, head_dim, ratio, target, num_docs, sinks, bf16, window, chunk_pick,
+                                 tiles, seed):
+    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    head_chunk = divisors[chunk_pick % len(divisors)]
+    arrays = make_case(seed, seq=seq, heads=heads, head_dim=head_dim, ratio=ratio, num_docs=num_docs, sinks=sinks,
+                       dtype=jnp.bfloat16 if bf16 else jnp.float32)
+    cfg = None if tiles == "default" else small_tiles(head_chunk, cache=tiles == "small_cached")
+    out = run_case(arrays, target=target, ratio=ratio, window=window, head_chunk=head_chunk, cfg=cfg)
+    # bf16 inputs are upcast exactly and everything accumulates in f32, so the f32 tolerances still apply.
+    assert_matches(out)
+
+
+@pytest.mark.parametrize("head_chunk", [1, 2, 4])
+def test_every_head_chunk_divisor_gives_the_same_loss(head_chunk, target="joint"):
+    arrays = make_case(1, seq=300, heads=8, head_dim=32, num_docs=2)
+    out = run_case(arrays, target=target, head_chunk=head_chunk, cfg=small_tiles(head_chunk))
+    assert_matches(out)
+    base = run_case(arrays, target=target, head_chunk=8, cfg=small_tiles(8))
+    np.testing.assert_allclose(out["loss_pallas"], base["loss_pallas"], rtol=1e-6)
+    np.testing.assert_allclose(out["grad_pallas"], base["grad_pallas"], atol=1e-6 * np.abs(base["grad_pallas"]).max())
+
+
+@pytest.mark.parametrize("reduction", ["mean_all", "sum", "none"])
+def test_reductions_and_scale(reduction):
+    arrays = make_case(2, seq=96, heads=4, head_dim=32, num_docs=2)
+    out = run_case(arrays, reduction=reduction, scale=0.37, cfg=small_tiles(2, cache=True))
+    assert_matches(out)
+
+
+def test_joint_and_per_head_coincide_for_one_head_and_differ_for_two():
+    one = make_case(3, seq=64, heads=1, head_dim=32)
+    joint = run_case(one, target="joint")["P_pallas"]
+    per_head = run_case(one, target="per_head")["P_pallas"]
+    np.testing.assert_allclose(joint, per_head, atol=1e-6)
+    two = make_case(3, seq=64, heads=2, head_dim=32, q_scale=2.0)
+    assert np.max(np.abs(run_case(two, target="joint")["P_pallas"] - run_case(two, target="per_head")["P_pallas"])) > 1e-3
+
+
+def _full_lse(arrays, window):
+    problem = validation.validate(arrays["q"], arrays["compressed_kv"], window_kv=arrays["window_kv"],
+                                  sinks=arrays.get("sinks"), window_size=window)
+    u = reference.noncompressed_lse(problem)
+    z = reference.teacher_logits(problem)
+    valid = reference.support(problem)
+    c = jnp.where(jnp.any(valid, -1)[:, None], jax.nn.logsumexp(jnp.where(valid[:, None], z, -jnp.inf), -1),
+                  -jnp.inf)
+    return u, jnp.logaddexp(u, jnp.transpose(c, (0, 2, 1)))
+
+
+def test_full_lse_and_noncompressed_lse_paths_equal_the_window_path():
+    arrays = make_case(4, seq=200, heads=4, head_dim=64)
+    u, full = _full_lse(arrays, 16)
+    window = run_case(arrays, cfg=small_tiles(4))
+    given_u = {k: v for k, v in arrays.items() if k not in ("window_kv", "sinks")}
+    given_u["noncompressed_lse"] = u
+    given_f = {k: v for k, v in arrays.items() if k not in ("window_kv", "sinks")}
+    given_f["full_lse"] = full
+    for variant in (given_u, given_f):
+        out = run_case(variant, cfg=small_tiles(4))
+        assert_matches(out)
+        np.testing.assert_allclose(out["P_pallas"], window["P_pallas"], atol=1e-6)
+        np.testing.assert_allclose(out["loss_pallas"], window["loss_pallas"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 7, 128, 1000])
+@pytest.mark.parametrize("num_docs", [1, 3])
+def test_window_lse_kernel(window, num_docs):
+    arrays = make_case(5, seq=260, heads=4, head_dim=32, num_docs=num_docs)
+    kwargs = {k: arrays[k] for k in ("sinks", "segment_ids", "positions") if k in arrays}
+    f = jax.jit(lambda q, w, impl: csa_pallas.noncompressed_lse(q, w, window_size=window, implementation=impl,
+                                                                head_chunk=2, **kwargs), static_argnums=2)
+    got = np.asarray(f(arrays["q"], arrays["window_kv"], "pallas"))
+    want = np.asarray(f(arrays["q"], arrays["window_kv"], "xla"))
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-6)
+
+
+def test_empty_rows_local_heads_and_extreme_sinks_stay_finite():
+    # u >> C for every head (window keys scaled up), huge and tiny sinks, empty rows t <= m-2.
+    for sink_scale in (30.0, -30.0):
+        arrays = make_case(6, seq=64, heads=2, head_dim=32, window_scale=3.0, sink_scale=sink_scale)
+        out = run_case(arrays)
+        assert_matches(out)
+        assert np.all(out["P_pallas"][:, :3] == 0)
+        assert np.all(out["grad_pallas"][:, :3] == 0)
+
+
+def test_masked_logits_may_be_nan_or_inf():
+    arrays = make_case(7, seq=48, heads=2, head_dim=32, num_docs=2)
+    clean = run_case(arrays)
+    problem = validation.validate(arrays["q"], arrays["compressed_kv"], segment_ids=arrays["segment_ids"],
+                                  positions=arrays["positions"], target="per_head")
+    hidden = ~np.asarray(reference.support(problem))
+    poisoned = dict(arrays)
+    logits = np.asarray(arrays["logits"]).copy()
+    logits[hidden] = np.where(np.arange(hidden.sum()) % 2, np.nan, -np.inf)
+    poisoned["logits"] = jnp.asarray(logits)
+    out = run_case(poisoned)
+    np.testing.assert_allclose(out["loss_pallas"], clean["loss_pallas"], rtol=1e-6)
+    np.testing.assert_array_equal(out["grad_pallas"], clean["grad_pallas"])
+
+
+def test_sequence_shorter_than_a_block_gives_zero_loss():
+    arrays = make_case(8, seq=3, heads=2, head_dim=32, ratio=4)
+    loss, grad = jax.value_and_grad(lambda x: csa_pallas.indexer_distill_loss(
+        x, arrays["q"], arrays["compressed_kv"], window_kv=arrays["window_kv"], implementation="pallas"))(
+        arrays["logits"])
+    assert float(loss) == 0.0 and grad.shape == (1, 3, 0)
+
+
+def test_teacher_inputs_get_exact_zero_gradients():
+    arrays = make_case(9, seq=64, heads=2, head_dim=32)
+
+    def loss(q, kv, w, sinks, logits):
+        return csa_pallas.indexer_distill_loss(logits, q, kv, window_kv=w, sinks=sinks, window_size=16,
+                                               implementation="pallas")
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(
+        arrays["q"], arrays["compressed_kv"], arrays["window_kv"], arrays["sinks"], arrays["logits"])
+    for g in grads[:4]:
+        assert np.all(np.asarray(g) == 0)
+    assert np.any(np.asarray(grads[4]) != 0)
+
+
+@pytest.mark.parametrize("target", ["per_head", "joint"])
+def test_race_and_out_of_bounds_checking_interpreter(target):
+    # The TPU-semantics interpreter raises on any out-of-bounds block read and reports races between the two
+    # cores; the block tables, zig-zag order and padding all go through it here.
+    arrays = make_case(10, seq=80, heads=2, head_dim=32, num_docs=2)
+    params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", num_cores_or_threads=2)
+    with runtime.interpret_override(params):
+        out = run_case(arrays, target=target, cfg=small_tiles(2, cache=True))
+    assert_matches(out)
+
+
+def test_head_chunk_must_divide_heads():
+    arrays = make_case(11, seq=32, heads=4, head_dim=32)
+    with pytest.raises(ValueError, match="head_chunk"):
+        csa_pallas.indexer_distill_loss(arrays["logits"], arrays["q"], arrays["compressed_kv"],
+                                        window_kv=arrays["window_kv"], head_chunk=3, implementation="pallas")
+
+
+def test_default_implementation_is_pallas_for_dense_mode():
+    arrays = make_case(12, seq=32, heads=2, head_dim=32)
+    problem = validation.validate(arrays["q"], arrays["compressed_kv"], window_kv=arrays["window_kv"])
+    from csa_pallas import api
+    assert api.choose_implementation(problem) == "pallas"
