@@ -205,8 +205,7 @@ def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "
                          cfg: Optional[teacher_kernel.TeacherConfig] = None):
     """Dense-mode loss through the kernels; same contract as `reference.indexer_distill_loss`."""
     if problem.num_blocks == 0:  # S_kv < m: no block exists, every row is empty
-        rows = jnp.zeros(indexer_logits.shape[:2], jnp.float32) + 0.0 * jnp.sum(
-            jnp.where(False, indexer_logits.astype(jnp.float32), 0.0), axis=-1)
+        rows = jnp.zeros(indexer_logits.shape[:2], jnp.float32)
         return reference.reduce_rows(rows, jnp.zeros(rows.shape, bool), reduction, scale)
     layout = dense_layout(problem, cfg)
     target = _teacher_padded(problem, layout)

@@ -61,6 +61,9 @@ def teacher_logits(problem: Problem) -> jax.Array:
     kv = problem.compressed_kv.astype(jnp.float32)
     if not problem.sparse:
         return problem.softmax_scale * jnp.einsum("bshd,bnd->bhsn", q, kv)
+    if problem.num_blocks == 0:  # S_kv < m: every slot is empty, there is nothing to gather from
+        b, s, h, _ = problem.q.shape
+        return jnp.zeros((b, h, s, problem.width), jnp.float32)
     safe, _ = masks.slot_blocks(problem.topk_indices, problem.num_blocks)
     gathered = jax.vmap(lambda kv_b, idx_b: kv_b[idx_b])(kv, safe)  # [B, S, K, D]
     return problem.softmax_scale * jnp.einsum("bshd,bskd->bhsk", q, gathered)

@@ -91,10 +91,13 @@ def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks:
                   + common.SUBLANES * max(bk, 128) * 4 + bq * n_p * 4)
     if mode != "per_head":
         blocks += 2 * common.round_up(hc, 8) * max(bq, 128) * 4
+    # rows copy (head-major scratch, or the token-major reshape's materialised copy), per-lane max/sum, F column.
     scratch = rows * head_dim * isz + 2 * rows * max(lanes, 128) * 4 + rows * 128 * 4
     if cfg.cache_scores:
         scratch += rows * n_p * 4
-    temporaries = 4 * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
+    # f32 score-sized temporaries seen in Mosaic's allocation: scores, masked scores, exp, per-lane chunks (~8),
+    # plus the identity-mask conversion of the stats block.
+    temporaries = 8 * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
     return blocks + scratch + temporaries
 
 
