@@ -147,6 +147,14 @@ class TileSchedule:
         last_block = jnp.minimum(lax.div(qi * self.block_q + self.block_q, self.ratio) - 1, self.num_blocks - 1)
         return jnp.where(last_block >= 0, lax.div(jnp.maximum(last_block, 0), self.block_k) + 1, 0)
 
+    def full(self, qi, tile):
+        """True when every query of tile qi sees every block of kv tile `tile` (causal schedule only): the mask
+        can be skipped. Tiles holding padding blocks are never full."""
+        if not self.causal:
+            return False
+        last_block = tile * self.block_k + self.block_k - 1
+        return ((last_block + 1) * self.ratio - 1 <= qi * self.block_q) & (last_block < self.num_blocks)
+
     def tile(self, tiles_ref, counts_ref, b, qi, k):
         """The k-th visited tile (padding steps repeat the last one, so nothing is re-fetched)."""
         if not self.causal:

@@ -168,19 +168,32 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, m
             f = layout.block_to_column(lse_ref[...].astype(jnp.float32))
             f_ref[...] = jnp.where(jnp.isfinite(f), f, 0.0)
 
-    def masked_scores():
+    def scores(masked: bool):
         rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
         z = lax.dot_general(rows, kv_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        z = (z * scale).reshape(*layout.view, bk)
+        if not masked:
+            return z
         visible = (kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (kmeta_ref[1:2, :] <= qmeta_ref[:, 1:2])  # [bq, bk]
-        return jnp.where(layout.expand_mask(visible), (z * scale).reshape(*layout.view, bk), -jnp.inf)
+        return jnp.where(layout.expand_mask(visible), z, -jnp.inf)
+
+    def when_active(cond, body):
+        """Runs body(masked) under cond & active; tiles every query fully sees skip the mask (causal only)."""
+        if schedule.causal:
+            full = schedule.full(qi, tile)
+            pl.when(cond & active & full)(lambda: body(False))
+            pl.when(cond & active & jnp.logical_not(full))(lambda: body(True))
+        else:
+            pl.when(cond & active)(lambda: body(True))
 
     if two_pass:
-        @pl.when(in_pass1 & active)
-        def _():
-            z = masked_scores()
+        def pass1(masked):
+            z = scores(masked)
             common.online_lse_update(m_ref, l_ref, z, lanes)
             if cache_scores:
                 cache_ref[k] = z
+
+        when_active(in_pass1, pass1)
 
         @pl.when(step == nk - 1)
         def _():
@@ -189,15 +202,19 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, m
                 lse = common.logaddexp(layout.block_to_column(lse_ref[...].astype(jnp.float32)), lse)
             f_ref[...] = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
-    @pl.when(jnp.logical_not(in_pass1) & active)
-    def _():
-        z = cache_ref[k] if cache_scores else masked_scores()
+    def pass2(masked):
+        z = cache_ref[k] if cache_scores else scores(masked)
         probs = jnp.sum(jnp.exp(z - f_ref[...]), axis=layout.head_axis)  # [bq, bk], summed over the chunk
         if bk == out_ref.shape[-1]:
             out_ref[...] += probs
         else:
             start = pl.multiple_of(tile * bk, 128)
             out_ref[:, pl.ds(start, bk)] += probs
+
+    if cache_scores:  # the cached scores are already masked
+        pl.when(jnp.logical_not(in_pass1) & active)(lambda: pass2(True))
+    else:
+        when_active(jnp.logical_not(in_pass1), pass2)
 
     @pl.when((c == nh - 1) & (step == last_step))
     def _():
