@@ -15,7 +15,7 @@ setup(
     ],
     extras_require={
         # libtpu (via jax[tpu]) makes v5p AOT compiles possible on a CPU host; the tests rely on it.
-        "test": ["pytest==9.2.0", "hypothesis==6.170.17", "jax[tpu]==0.10.2"],
+        "test": ["pytest==9.2.0", "hypothesis==6.170.17", "matplotlib==3.11.2", "jax[tpu]==0.10.2"],
         "bench": ["matplotlib==3.11.2", "jax[tpu]==0.10.2"],
     },
 )

@@ -13,14 +13,17 @@ MaxText's train loop collects `indexer_loss` intermediates:
     out, state = model.apply(variables, x, mutable=["intermediates"])
     aux = jnp.mean(collect_indexer_losses(state["intermediates"]))
 
-(Called outside `nnx.capture`, `Module.sow` falls back to flax's deprecated behaviour: it stores the value on the
-module as an `nnx.Intermediate` attribute, appending one entry per call; remove it with `nnx.pop(model,
-nnx.Intermediate)`.)
+Called outside `nnx.capture`, `Module.sow` falls back to flax's deprecated behaviour (what MaxText's NNX layers
+rely on): it stores the value on the module as an `nnx.Intermediate` attribute, appending one entry per call,
+and `nnx.pop(model, nnx.Intermediate)` takes it back out. Prefer `nnx.capture` around every call, evaluation
+included: a module whose attributes changed has a new graph structure, so the next `nnx.jit` call retraces.
 
 Configuration: the constructors take the fields of `IndexerLossConfig`, or a MaxText config object (or dict) with
 `indexer_loss_scaling_factor`, `indexer_sparse_training`, `mla_qk_head_chunk_size`, `sliding_window_size`
-(see `IndexerLossConfig.from_maxtext_config`). Bad values raise ValueError / TypeError naming the field at
-construction time, not deep inside a traced computation.
+(see `IndexerLossConfig.from_maxtext_config`). A bad value raises a ValueError that starts with the field's name
+("scale: ...", "mla_qk_head_chunk_size: ...") at construction time, not deep inside a traced computation.
+Problems only the arrays can reveal (a head_chunk that does not divide H, a missing window_kv for the joint
+target, ...) are reported by `csa_pallas.indexer_distill_loss` at the first call, naming the argument.
 """
 
 from __future__ import annotations
@@ -52,6 +55,16 @@ MAXTEXT_FIELDS = {
     "mla_qk_head_chunk_size": "head_chunk",
     "sliding_window_size": "window_size",
 }
+
+
+class _Unset:
+    """Default of the nnx constructor's keywords: tells "not given" from an explicit None."""
+
+    def __repr__(self):
+        return "<unset>"
+
+
+_MISSING = _Unset()
 
 
 def _is_int(x) -> bool:
@@ -156,9 +169,6 @@ class IndexerLossConfig:
             values[ours] = _from_maxtext_value(mt_name, value)
         values.update(overrides)
         return cls(**values)
-
-
-_MISSING = object()
 
 
 def _from_maxtext_value(mt_name: str, value):

@@ -67,7 +67,8 @@ class DeepSeekV4CSAConfig:
 
 
 class CSAIntermediates(NamedTuple):
-    """The layer's own tensors, for inspection and tests (all detached copies are what the loss saw)."""
+    """The layer's own tensors, for inspection and tests (the loss got detached copies of q, window_kv,
+    compressed_kv and sinks)."""
 
     q: jax.Array  # [B, S, H, D] f32, after RoPE
     window_kv: jax.Array  # [B, S, D] f32, window keys = values, after RoPE
@@ -200,8 +201,9 @@ class DeepSeekV4CSAAttention(nnx.Module):
             raise ValueError(f"o_groups: must divide num_query_heads={cfg.num_query_heads}, got {cfg.o_groups}")
         self.cfg = cfg
         h, d, e = cfg.num_query_heads, cfg.head_dim, cfg.emb_dim
-        self.theta, self.rope_dim, self.eps = cfg.compressed_rope_max_timescale, cfg.qk_rope_head_dim, \
-            cfg.normalization_layer_epsilon
+        self.theta = cfg.compressed_rope_max_timescale
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.eps = cfg.normalization_layer_epsilon
         self.wq_a = _dense(e, cfg.q_lora_rank, rngs)
         self.q_norm = nnx.Param(jnp.ones((cfg.q_lora_rank,), jnp.float32))
         self.wq_b = _dense(cfg.q_lora_rank, h * d, rngs)

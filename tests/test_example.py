@@ -67,7 +67,9 @@ def _run(layer, x, sparse):
         return jnp.sum(y ** 2)
 
     (_, (y, aux, inter)), g_loss = nnx.value_and_grad(indexer_loss, argnums=(0, 1), has_aux=True)(layer, x)
-    g_out = nnx.grad(output_loss, argnums=(0, 1))(layer, x)
+    # Only the sparse stage could leak the output loss into the indexer (through top-k); dense attention does not
+    # read the indexer at all. Skipping it for dense saves an XLA compile.
+    g_out = nnx.grad(output_loss, argnums=(0, 1))(layer, x) if sparse else None
     return y, aux, inter, g_loss, g_out
 
 
@@ -232,27 +234,28 @@ def test_layer_loss_equals_oracle_on_its_own_tensors(sparse):
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_only_the_indexer_learns_from_the_loss(sparse):
-    _, (_, _, _, (g_loss, gx_loss), (g_out, gx_out)) = _results(sparse)
-    loss_leaves = jax.tree_util.tree_leaves_with_path(g_loss.to_pure_dict())
-    out_leaves = dict(jax.tree_util.tree_leaves_with_path(g_out.to_pure_dict()))
+    _, (_, _, _, (g_loss, gx_loss), g_out) = _results(sparse)
     names = lambda path: [str(p.key) for p in path]
     n_indexer = 0
-    for path, g in loss_leaves:
+    for path, g in jax.tree_util.tree_leaves_with_path(g_loss.to_pure_dict()):
         g = np.asarray(g)
         assert np.all(np.isfinite(g)), names(path)
         if "indexer" in names(path):
             n_indexer += 1
             assert np.abs(g).max() > 0, f"no gradient for {names(path)}"
-            # ...and the indexer gets nothing from the layer output (top-k is discrete; dense attention ignores it)
-            np.testing.assert_array_equal(np.asarray(out_leaves[path]), 0.0, err_msg=str(names(path)))
         else:
             np.testing.assert_array_equal(g, 0.0, err_msg=f"{names(path)} got a gradient from the indexer loss")
-    # compressor (kv, gate, bias, norm) + q_proj + weights_proj; position_bias and norm too.
-    assert n_indexer == 6
+    assert n_indexer == 6  # compressor kv/gate kernels, position_bias, norm; q_proj; weights_proj
     np.testing.assert_array_equal(np.asarray(gx_loss), 0.0)  # the indexer's inputs are detached
-    # The backbone does learn from the output (the check above is not vacuous).
-    assert np.abs(np.asarray(out_leaves[next(p for p, _ in loss_leaves if "wq_a" in names(p))])).max() > 0
-    assert np.abs(np.asarray(gx_out)).max() > 0
+    if sparse:
+        # The layer output reaches the backbone but never the indexer: top-k indices are integers.
+        g_params, gx_out = g_out
+        flat = jax.tree_util.tree_leaves_with_path(g_params.to_pure_dict())
+        leaves = {tuple(names(p)): np.asarray(g) for p, g in flat}
+        for path, g in leaves.items():
+            if "indexer" in path:
+                np.testing.assert_array_equal(g, 0.0, err_msg=str(path))
+        assert np.abs(leaves[("wq_a", "kernel")]).max() > 0 and np.abs(np.asarray(gx_out)).max() > 0
 
 
 def test_short_training_run_cuts_kl_by_3x():
