@@ -20,8 +20,6 @@ from csa_pallas.validation import Problem
 
 def pallas_unsupported_reason(problem: Problem) -> Optional[str]:
     """Why the Pallas kernels cannot run this problem, or None when they can."""
-    if problem.sparse:
-        return "sparse (top-k) mode has no Pallas kernel yet; pass implementation='xla'"
     from csa_pallas import ops
     return ops.window_supported_reason(problem)
 
@@ -37,8 +35,15 @@ def choose_implementation(problem: Problem) -> str:
     return "xla" if reason is not None else "pallas"
 
 
-def _problem(q, compressed_kv, kwargs) -> Problem:
-    return validation.validate(q, compressed_kv, **kwargs)
+# Keyword arguments of `validation.validate` (the teacher side shared by both public ops).
+_TEACHER_ARGS = ("topk_indices", "window_kv", "sinks", "noncompressed_lse", "full_lse", "segment_ids", "positions",
+                 "kv_segment_ids", "kv_positions", "compress_ratio", "window_size", "softmax_scale", "target",
+                 "head_chunk", "implementation")
+
+
+def _problem(q, compressed_kv, arguments: dict) -> Problem:
+    """Validates the teacher-side arguments, picked by name from a public op's `locals()`."""
+    return validation.validate(q, compressed_kv, **{name: arguments[name] for name in _TEACHER_ARGS})
 
 
 def indexer_distill_loss(
@@ -88,15 +93,14 @@ def indexer_distill_loss(
     Returns:
       f32 scalar, or f32 [B, S] for reduction="none".
     """
-    problem = _problem(q, compressed_kv, dict(
-        topk_indices=topk_indices, window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse,
-        full_lse=full_lse, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
-        kv_positions=kv_positions, compress_ratio=compress_ratio, window_size=window_size,
-        softmax_scale=softmax_scale, target=target, head_chunk=head_chunk, implementation=implementation))
+    problem = _problem(q, compressed_kv, locals())
     validation.validate_logits(indexer_logits, problem)
     validation.check_reduction_args(reduction, scale)
     if choose_implementation(problem) == "xla":
         return reference.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale)
+    if problem.sparse:
+        from csa_pallas import ops_sparse
+        return ops_sparse.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale)
     from csa_pallas import ops
     return ops.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale)
 
@@ -125,13 +129,12 @@ def teacher_distribution(
 
     Same teacher-side arguments as `indexer_distill_loss`. Entries outside V(t) and empty rows are 0.
     """
-    problem = _problem(q, compressed_kv, dict(
-        topk_indices=topk_indices, window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse,
-        full_lse=full_lse, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
-        kv_positions=kv_positions, compress_ratio=compress_ratio, window_size=window_size,
-        softmax_scale=softmax_scale, target=target, head_chunk=head_chunk, implementation=implementation))
+    problem = _problem(q, compressed_kv, locals())
     if choose_implementation(problem) == "xla":
         return reference.teacher(problem)[0]
+    if problem.sparse:
+        from csa_pallas import ops_sparse
+        return ops_sparse.teacher_distribution(problem)
     from csa_pallas import ops
     return ops.teacher_distribution(problem)
 

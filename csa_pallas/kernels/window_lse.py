@@ -4,7 +4,7 @@ lse[t, h] = logsumexp_{j in Win(t)} tau q[t,h].window_kv[j]; the sink is folded 
 (u = logaddexp(lse, sinks[h]), a [B, S, H] elementwise op).
 
 Grid (B*nq "parallel", H/hc "arbitrary", band "arbitrary"): a query tile [q0, q0+bq) only looks at the key tiles
-overlapping [q0-W+1, q0+bq-1], a static band of ceil((bq+W-1)/bk)+1 tiles, so the cost is O(S*(W+bq)*H*D) and no
+overlapping [q0-W+1, q0+bq-1], a static band of at most ceil((bq+W-1)/bk)+1 tiles (2 for bq = bk = W = 128), so the cost is O(S*(W+bq)*H*D) and no
 [S, S_kv] anything exists. The exact window/segment rule is applied inside with iota-free metadata compares.
 
 Contract of the band (checked by the wrapper where it can be): key j of Win(t) lies in [t-W+1, t], i.e. the key
@@ -49,8 +49,15 @@ def padded_len(seq_len: int, cfg: WindowConfig) -> int:
     return common.round_up(max(seq_len, 1), max(cfg.block_q, cfg.block_k))
 
 
-def band_tiles(cfg: WindowConfig, window_size: int, num_tiles: int) -> int:
-    return min(num_tiles, common.cdiv(cfg.block_q + window_size - 1, cfg.block_k) + 1)
+def band_tiles(cfg: WindowConfig, window_size: int, num_tiles: int, num_q_tiles: int) -> int:
+    """Key tiles the widest query tile overlaps (exact over the static tile positions; e.g. 2 for bq=bk=W=128)."""
+    bq, bk = cfg.block_q, cfg.block_k
+    widest = 0
+    for qi in range(num_q_tiles):
+        first = max(qi * bq - (window_size - 1), 0) // bk
+        last = min((qi * bq + bq - 1) // bk, num_tiles - 1)
+        widest = max(widest, last - first + 1)
+    return widest
 
 
 def vmem_bytes(cfg: WindowConfig, *, num_heads: int, head_dim: int, dtype) -> int:
@@ -133,7 +140,7 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
     b, s_p, h, d = q.shape
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     nq, nkt, nh = s_p // bq, s_p // bk, h // hc
-    band = band_tiles(cfg, window_size, nkt)
+    band = band_tiles(cfg, window_size, nkt, nq)
     group = common.head_group(h, hc, q.dtype)
     layout = common.row_layout(h, hc, bq, q.dtype)
 
