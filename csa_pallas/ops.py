@@ -54,9 +54,8 @@ class DenseLayout:
     num_blocks: int
     qmeta: jax.Array  # int32 [B, S_p, 128]
     kmeta: jax.Array  # int32 [B, 8, N_p]
-    tiles: jax.Array  # int32 [B*nq*nk] compacted needed kv tiles
-    counts: jax.Array  # int32 [B*nq]
-    fetch: jax.Array  # int32 [B*nq*nk] natural-order fetch table
+    firsts: jax.Array  # int32 [B*nq] first kv tile each query tile visits
+    counts: jax.Array  # int32 [B*nq] number of kv tiles it visits
 
     @property
     def padded_seq(self) -> int:
@@ -85,12 +84,12 @@ def dense_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] =
     block_segment, block_end = reference.block_keys(problem)
     kmeta = common.key_meta(block_segment, block_end, n_p, masks.INVALID_BLOCK_END)
     need = common.tile_need(qmeta, kmeta, cfg.block_q, cfg.block_k)
-    tiles, counts = common.compact_tile_table(need)
+    firsts, counts = common.tile_ranges(need)
     schedule = common.TileSchedule(causal=problem.default_ids, nq=s_p // cfg.block_q, nk=n_p // cfg.block_k,
                                    block_q=cfg.block_q, block_k=cfg.block_k, ratio=problem.compress_ratio,
                                    num_blocks=problem.num_blocks)
     return DenseLayout(cfg=cfg, schedule=schedule, seq_len=problem.seq_len, num_blocks=problem.num_blocks, qmeta=qmeta, kmeta=kmeta,
-                       tiles=tiles, counts=counts, fetch=common.fetch_table(need))
+                       firsts=firsts, counts=counts)
 
 
 def window_supported_reason(problem: Problem) -> Optional[str]:
@@ -143,7 +142,7 @@ def _teacher_padded(problem: Problem, layout: DenseLayout) -> jax.Array:
             stats = noncompressed_lse(problem)
         stats = _pad_axis(jax.lax.stop_gradient(stats).astype(jnp.float32), 1, layout.padded_seq)
         lse_in = common.row_layout(problem.num_heads, cfg.head_chunk, cfg.block_q, dtype).stats_to_hbm(stats)
-    target = teacher_kernel.teacher_pallas(q, kv, layout.qmeta, layout.kmeta, layout.tiles, layout.counts, lse_in,
+    target = teacher_kernel.teacher_pallas(q, kv, layout.qmeta, layout.kmeta, layout.firsts, layout.counts, lse_in,
                                            mode=mode, cfg=cfg, scale=problem.softmax_scale,
                                            schedule=layout.schedule, interpret=runtime.interpret_mode())
     return jax.lax.stop_gradient(target)
@@ -165,25 +164,26 @@ class _KLStatic:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kl_stats(static: _KLStatic, logits, target, qmeta, kmeta, tiles, counts, fetch):
-    return kl_kernels.kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, schedule=static.schedule,
+def _kl_stats(static: _KLStatic, logits, target, qmeta, kmeta, firsts, counts):
+    return kl_kernels.kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, schedule=static.schedule,
                                         interpret=static.interpret)
 
 
-def _kl_stats_fwd(static, logits, target, qmeta, kmeta, tiles, counts, fetch):
-    stats = _kl_stats(static, logits, target, qmeta, kmeta, tiles, counts, fetch)
-    return stats, (logits, target, qmeta, kmeta, fetch, stats)
+def _kl_stats_fwd(static, logits, target, qmeta, kmeta, firsts, counts):
+    stats = _kl_stats(static, logits, target, qmeta, kmeta, firsts, counts)
+    return stats, (logits, target, qmeta, kmeta, firsts, counts, stats)
 
 
 def _kl_stats_bwd(static, residuals, cotangent):
-    logits, target, qmeta, kmeta, fetch, stats = residuals
+    logits, target, qmeta, kmeta, firsts, counts, stats = residuals
     # Only row 0 (the KL) is differentiable; rows 1-3 (lse, sum P, non-empty) are statistics for the backward.
     coef = cotangent[:, :, 0, :]
     rowstats = jnp.zeros_like(stats).at[:, :, 0].set(stats[:, :, 1]).at[:, :, 1].set(coef).at[:, :, 2].set(
         stats[:, :, 2])
-    grad = kl_kernels.kl_backward_pallas(target, logits, qmeta, kmeta, fetch, rowstats, schedule=static.schedule,
+    grad = kl_kernels.kl_backward_pallas(target, logits, qmeta, kmeta, firsts, counts, rowstats,
+                                         schedule=static.schedule,
                                          interpret=static.interpret)
-    return grad, None, None, None, None, None, None
+    return grad, None, None, None, None, None
 
 
 _kl_stats.defvjp(_kl_stats_fwd, _kl_stats_bwd)
@@ -194,8 +194,7 @@ def kl_rows(indexer_logits, target_padded, layout: DenseLayout):
     b, s, n = indexer_logits.shape
     logits = _pad_axis(_pad_axis(indexer_logits, 1, layout.padded_seq), 2, layout.padded_blocks)
     static = _KLStatic(layout.schedule, runtime.interpret_mode())
-    stats = _kl_stats(static, logits, target_padded, layout.qmeta, layout.kmeta, layout.tiles, layout.counts,
-                      layout.fetch)
+    stats = _kl_stats(static, logits, target_padded, layout.qmeta, layout.kmeta, layout.firsts, layout.counts)
     rows = stats[:, :, 0, :].reshape(b, -1)[:, :s]
     nonempty = jax.lax.stop_gradient(stats[:, :, 3, :].reshape(b, -1)[:, :s]) > 0
     return rows, nonempty

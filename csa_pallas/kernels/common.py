@@ -130,7 +130,7 @@ class TileSchedule:
 
     causal: default ids (one document, positions 0..S-1, S_kv == S): the visible blocks of tile qi are a static
     prefix computed from the grid indices, so the compiler (and static estimators) see the loop bounds. Otherwise
-    the compacted tables (`compact_tile_table`) passed by scalar prefetch decide, splash style.
+    per-query-tile ranges (`tile_ranges`) passed by scalar prefetch decide, splash style.
     """
 
     causal: bool
@@ -155,11 +155,20 @@ class TileSchedule:
         last_block = tile * self.block_k + self.block_k - 1
         return ((last_block + 1) * self.ratio - 1 <= qi * self.block_q) & (last_block < self.num_blocks)
 
-    def tile(self, tiles_ref, counts_ref, b, qi, k):
+    def first(self, firsts_ref, b, qi):
+        return 0 if self.causal else firsts_ref[b * self.nq + qi]
+
+    def tile(self, firsts_ref, counts_ref, b, qi, k):
         """The k-th visited tile (padding steps repeat the last one, so nothing is re-fetched)."""
-        if not self.causal:
-            return tiles_ref[(b * self.nq + qi) * self.nk + k]
-        return jnp.maximum(jnp.minimum(k, self.count(counts_ref, b, qi) - 1), 0)
+        last = jnp.maximum(self.count(counts_ref, b, qi) - 1, 0)
+        return self.first(firsts_ref, b, qi) + jnp.minimum(k, last)
+
+    def natural(self, firsts_ref, counts_ref, b, qi, k):
+        """For a walk over every kv tile k: (tile to keep resident, whether tile k is in the visited range)."""
+        first = self.first(firsts_ref, b, qi)
+        count = self.count(counts_ref, b, qi)
+        needed = (k >= first) & (k < first + count)
+        return jnp.clip(k, first, first + jnp.maximum(count - 1, 0)), needed
 
 
 def rows_to_column(x):
@@ -210,29 +219,22 @@ def finish_lse(m, l):
     return jnp.where(total > 0, row_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
 
 
-def compact_tile_table(need):
-    """bool [B, nq, nk] -> (tiles int32 [B*nq*nk], counts int32 [B*nq]).
+def tile_ranges(need):
+    """bool [B, nq, nk] -> (firsts, counts), int32 [B*nq] each: query tile i visits kv tiles
+    [firsts[i], firsts[i] + counts[i]), the smallest range holding every needed tile (counts 0: none).
 
-    Row (b, i) of `tiles` lists the needed kv tiles in increasing order, then repeats the last one (so the pipeline
-    does not fetch anything for the padding steps); counts[b, i] = number of needed tiles.
+    A range rather than a list keeps the scalar-prefetch tables at 2 words per query tile (a per-tile list needs
+    nq*nk words: 2 MiB at S=128K, over the 1 MiB of SMEM). Packed documents are contiguous, so the range is
+    exact for them; the kernels' exact mask covers any tile inside the range that is not needed.
     """
-    b, nq, nk = need.shape
-    order = jnp.argsort(jnp.logical_not(need), axis=-1, stable=True).astype(jnp.int32)
-    counts = jnp.sum(need, axis=-1).astype(jnp.int32)
-    last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
+    nk = need.shape[-1]
     k = jnp.arange(nk, dtype=jnp.int32)
-    tiles = jnp.where(k < counts[..., None], order, jnp.where(counts[..., None] > 0, last, 0))
-    return tiles.reshape(-1), counts.reshape(-1)
-
-
-def fetch_table(need):
-    """bool [B, nq, nk] -> int32 [B*nq*nk]: tile to fetch at natural step k (k itself when needed, else the last
-    needed tile before k, else the first needed tile), so skipped steps re-use the resident block."""
-    b, nq, nk = need.shape
-    k = jnp.arange(nk, dtype=jnp.int32)
-    prev = lax.cummax(jnp.where(need, k, -1), axis=2)
-    first = jnp.argmax(need, axis=-1).astype(jnp.int32)[..., None]
-    return jnp.where(prev >= 0, prev, first).astype(jnp.int32).reshape(-1)
+    any_needed = jnp.any(need, axis=-1)
+    first = jnp.min(jnp.where(need, k, nk), axis=-1)
+    last = jnp.max(jnp.where(need, k, -1), axis=-1)
+    counts = jnp.where(any_needed, last - first + 1, 0).astype(jnp.int32)
+    firsts = jnp.where(any_needed, first, 0).astype(jnp.int32)
+    return firsts.reshape(-1), counts.reshape(-1)
 
 
 def tile_need(qmeta, kmeta, block_q: int, block_k: int):

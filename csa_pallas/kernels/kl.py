@@ -34,8 +34,12 @@ def _visible(qmeta_ref, kmeta_ref):
     return (kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (kmeta_ref[1:2, :] <= qmeta_ref[:, 1:2])
 
 
-def _fwd_kernel(tiles_ref, counts_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, stats_ref, m_ref, l_ref, s1_ref, a_ref,
-                s3_ref, cnt_ref, *, schedule):
+def _fwd_kernel(firsts_ref, counts_ref, p_ref, i_ref, *refs, schedule, target_mask=False):
+    if target_mask:  # sparse mode: V(t) is encoded in the target itself (P >= 0 on valid slots, -1 elsewhere)
+        qmeta_ref = kmeta_ref = None
+        stats_ref, m_ref, l_ref, s1_ref, a_ref, s3_ref, cnt_ref = refs
+    else:
+        qmeta_ref, kmeta_ref, stats_ref, m_ref, l_ref, s1_ref, a_ref, s3_ref, cnt_ref = refs
     nq, nk = schedule.nq, schedule.nk
     lanes = min(common.LANES, schedule.block_k)
     pid = pl.program_id(0)
@@ -52,7 +56,7 @@ def _fwd_kernel(tiles_ref, counts_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, stats
 
     @pl.when(k < count)
     def _():
-        visible = _visible(qmeta_ref, kmeta_ref)
+        visible = p_ref[...] >= 0.0 if target_mask else _visible(qmeta_ref, kmeta_ref)
         x = jnp.where(visible, i_ref[...].astype(jnp.float32), -jnp.inf)
         prob = jnp.where(visible, p_ref[...], 0.0)
         xs = common.lane_chunks(x, lanes)
@@ -94,13 +98,15 @@ def _fwd_kernel(tiles_ref, counts_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, stats
         stats_ref[...] = common.column_to_rows(cols, STAT_ROWS)
 
 
-def kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, *, schedule: common.TileSchedule,
-                      interpret=False):
+def kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, *, schedule: common.TileSchedule,
+                      interpret=False, target_mask: bool = False):
     """Per-row KL and student statistics.
 
     Args:
       target: P, f32 [B, S_p, N_p]; logits: I, float [B, S_p, N_p]; qmeta [B, S_p, 128], kmeta [B, 8, N_p];
-      tiles, counts, schedule: the teacher's kv-tile schedule (same block_q, block_k).
+      firsts, counts, schedule: the teacher's kv-tile schedule (same block_q, block_k).
+      target_mask: sparse mode: V(t) = {P >= 0} (the sparse teacher writes -1 on empty slots); qmeta and kmeta
+        must then be None.
 
     Returns:
       f32 [B, nq, 8, bq]: row 0 KL, row 1 lse (0 on empty rows), row 2 sum P, row 3 non-empty (1/0).
@@ -110,36 +116,40 @@ def kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, *, schedule: 
     nq, nk = schedule.nq, schedule.nk
     lanes = min(common.LANES, bk)
 
-    def tile_map(pid, k, tiles_ref, counts_ref):
+    def tile_map(pid, k, firsts_ref, counts_ref):
         bb = lax.div(pid, nq)
         qi = common.zigzag(lax.rem(pid, nq), nq)
-        return bb, qi, schedule.tile(tiles_ref, counts_ref, bb, qi, k)
+        return bb, qi, schedule.tile(firsts_ref, counts_ref, bb, qi, k)
 
-    def p_map(pid, k, tiles_ref, counts_ref):
-        return tile_map(pid, k, tiles_ref, counts_ref)
+    def p_map(pid, k, firsts_ref, counts_ref):
+        return tile_map(pid, k, firsts_ref, counts_ref)
 
-    def kmeta_map(pid, k, tiles_ref, counts_ref):
-        bb, _, tile = tile_map(pid, k, tiles_ref, counts_ref)
+    def kmeta_map(pid, k, firsts_ref, counts_ref):
+        bb, _, tile = tile_map(pid, k, firsts_ref, counts_ref)
         return bb, 0, tile
 
-    def row_map(pid, k, tiles_ref, counts_ref):
-        bb, qi, _ = tile_map(pid, k, tiles_ref, counts_ref)
+    def row_map(pid, k, firsts_ref, counts_ref):
+        bb, qi, _ = tile_map(pid, k, firsts_ref, counts_ref)
         return bb, qi, 0
 
-    def stats_map(pid, k, tiles_ref, counts_ref):
-        bb, qi, _ = tile_map(pid, k, tiles_ref, counts_ref)
+    def stats_map(pid, k, firsts_ref, counts_ref):
+        bb, qi, _ = tile_map(pid, k, firsts_ref, counts_ref)
         return bb, qi, 0, 0
 
-    kernel = functools.partial(_fwd_kernel, schedule=schedule)
+    kernel = functools.partial(_fwd_kernel, schedule=schedule, target_mask=target_mask)
     vmem = 2 * (2 * bq * bk * 4 + bq * common.LANES * 4 + common.SUBLANES * max(bk, 128) * 4) + 6 * bq * 128 * 4
+    in_specs = [pl.BlockSpec((None, bq, bk), p_map), pl.BlockSpec((None, bq, bk), p_map)]
+    operands = [target, logits]
+    if not target_mask:
+        in_specs += [pl.BlockSpec((None, bq, common.LANES), row_map),
+                     pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map)]
+        operands += [qmeta, kmeta]
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b * nq, nk),
-            in_specs=[pl.BlockSpec((None, bq, bk), p_map), pl.BlockSpec((None, bq, bk), p_map),
-                      pl.BlockSpec((None, bq, common.LANES), row_map),
-                      pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map)],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec((None, None, STAT_ROWS, bq), stats_map),
             scratch_shapes=[pltpu.VMEM((bq, lanes), jnp.float32) for _ in range(6)],
         ),
@@ -147,20 +157,16 @@ def kl_forward_pallas(target, logits, qmeta, kmeta, tiles, counts, *, schedule: 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=max(32 * MiB, 2 * vmem + 8 * MiB)),
         interpret=interpret,
-        name=f"csa_kl_fwd_bq{bq}_bk{bk}",
-    )(tiles, counts, target, logits, qmeta, kmeta)
+        name=f"csa_kl_fwd_bq{bq}_bk{bk}{'_sparse' if target_mask else ''}",
+    )(firsts, counts, *operands)
 
 
-def _fetch(schedule, fetch_ref, b, qi, k):
-    """Tile resident at natural step k of the backward, and whether step k's tile is needed at all."""
-    if schedule.causal:
-        count = schedule.count(None, b, qi)
-        return jnp.maximum(jnp.minimum(k, count - 1), 0), k < count
-    tile = fetch_ref[(b * schedule.nq + qi) * schedule.nk + k]
-    return tile, tile == k
-
-
-def _bwd_kernel(fetch_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, rowstats_ref, grad_ref, cols_ref, *, schedule):
+def _bwd_kernel(firsts_ref, counts_ref, p_ref, i_ref, *refs, schedule, target_mask=False):
+    if target_mask:
+        qmeta_ref = kmeta_ref = None
+        rowstats_ref, grad_ref, cols_ref = refs
+    else:
+        qmeta_ref, kmeta_ref, rowstats_ref, grad_ref, cols_ref = refs
     nq, block_q = schedule.nq, schedule.block_q
     pid = pl.program_id(0)
     k = pl.program_id(1)
@@ -171,11 +177,11 @@ def _bwd_kernel(fetch_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, rowstats_ref, gra
     def _():
         cols_ref[...] = common.rows_to_column(rowstats_ref[...]).reshape(STAT_ROWS, block_q, 1)
 
-    _, needed = _fetch(schedule, fetch_ref, b, qi, k)
+    _, needed = schedule.natural(firsts_ref, counts_ref, b, qi, k)
 
     @pl.when(needed)
     def _():
-        visible = _visible(qmeta_ref, kmeta_ref)
+        visible = p_ref[...] >= 0.0 if target_mask else _visible(qmeta_ref, kmeta_ref)
         lse, coef, psum = cols_ref[0], cols_ref[1], cols_ref[2]  # [bq, 1] each
         logits = jnp.where(visible, i_ref[...].astype(jnp.float32), 0.0)
         student = jnp.exp(logits - lse)
@@ -187,15 +193,15 @@ def _bwd_kernel(fetch_ref, p_ref, i_ref, qmeta_ref, kmeta_ref, rowstats_ref, gra
         grad_ref[...] = jnp.zeros(grad_ref.shape, grad_ref.dtype)
 
 
-def kl_backward_pallas(target, logits, qmeta, kmeta, fetch, rowstats, *, schedule: common.TileSchedule,
-                       interpret=False):
+def kl_backward_pallas(target, logits, qmeta, kmeta, firsts, counts, rowstats, *, schedule: common.TileSchedule,
+                       interpret=False, target_mask: bool = False):
     """Gradient of sum_t coef[t] * KL[t] wrt the logits.
 
     Args:
       target, logits, qmeta, kmeta: as in `kl_forward_pallas`.
-      fetch: int32 [B*nq*nk] from `common.fetch_table` (which tile to have resident at natural step k; ignored
-        when schedule.causal).
+      firsts, counts, schedule: the teacher's kv-tile schedule; the backward walks every kv tile in natural order.
       rowstats: f32 [B, nq, 8, bq]: row 0 lse, row 1 coef, row 2 sum P (rest unused).
+      target_mask: as in `kl_forward_pallas`.
 
     Returns:
       dI with the logits' dtype, [B, S_p, N_p].
@@ -204,34 +210,39 @@ def kl_backward_pallas(target, logits, qmeta, kmeta, fetch, rowstats, *, schedul
     bq, bk = schedule.block_q, schedule.block_k
     nq, nk = schedule.nq, schedule.nk
 
-    def in_map(pid, k, fetch_ref):
+    def in_map(pid, k, firsts_ref, counts_ref):
         bb = lax.div(pid, nq)
         qi = lax.rem(pid, nq)
-        return bb, qi, _fetch(schedule, fetch_ref, bb, qi, k)[0]
+        return bb, qi, schedule.natural(firsts_ref, counts_ref, bb, qi, k)[0]
 
-    def kmeta_map(pid, k, fetch_ref):
+    def kmeta_map(pid, k, firsts_ref, counts_ref):
         return lax.div(pid, nq), 0, k
 
-    def row_map(pid, k, fetch_ref):
+    def row_map(pid, k, firsts_ref, counts_ref):
         return lax.div(pid, nq), lax.rem(pid, nq), 0
 
-    def stats_map(pid, k, fetch_ref):
+    def stats_map(pid, k, firsts_ref, counts_ref):
         return lax.div(pid, nq), lax.rem(pid, nq), 0, 0
 
-    def out_map(pid, k, fetch_ref):
+    def out_map(pid, k, firsts_ref, counts_ref):
         return lax.div(pid, nq), lax.rem(pid, nq), k
 
-    kernel = functools.partial(_bwd_kernel, schedule=schedule)
+    kernel = functools.partial(_bwd_kernel, schedule=schedule, target_mask=target_mask)
     vmem = 2 * (3 * bq * bk * 4 + bq * common.LANES * 4 + common.SUBLANES * max(bk, 128) * 4)
+    in_specs = [pl.BlockSpec((None, bq, bk), in_map), pl.BlockSpec((None, bq, bk), in_map)]
+    operands = [target, logits]
+    if not target_mask:
+        in_specs += [pl.BlockSpec((None, bq, common.LANES), row_map),
+                     pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map)]
+        operands += [qmeta, kmeta]
+    in_specs.append(pl.BlockSpec((None, None, STAT_ROWS, bq), stats_map))
+    operands.append(rowstats)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             grid=(b * nq, nk),
-            in_specs=[pl.BlockSpec((None, bq, bk), in_map), pl.BlockSpec((None, bq, bk), in_map),
-                      pl.BlockSpec((None, bq, common.LANES), row_map),
-                      pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map),
-                      pl.BlockSpec((None, None, STAT_ROWS, bq), stats_map)],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec((None, bq, bk), out_map),
             scratch_shapes=[pltpu.VMEM((STAT_ROWS, bq, 1), jnp.float32)],
         ),
@@ -239,5 +250,5 @@ def kl_backward_pallas(target, logits, qmeta, kmeta, fetch, rowstats, *, schedul
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=max(32 * MiB, 2 * vmem + 8 * MiB)),
         interpret=interpret,
-        name=f"csa_kl_bwd_bq{bq}_bk{bk}",
-    )(fetch, target, logits, qmeta, kmeta, rowstats)
+        name=f"csa_kl_bwd_bq{bq}_bk{bk}{'_sparse' if target_mask else ''}",
+    )(firsts, counts, *operands)

@@ -4,7 +4,7 @@ Grid (B*nq "parallel", H/hc "arbitrary", passes*nk "arbitrary"):
   * axis 0 walks (batch, query tile) pairs; query tiles are visited in zig-zag order so the two TensorCores of a
     v5p chip get the same causal work;
   * axis 1 walks head chunks of `head_chunk` heads (MaxText's `mla_qk_head_chunk_size` as a VMEM tile);
-  * axis 2 walks the kv tiles a query tile needs (compacted block table via scalar prefetch, splash style: tiles
+  * axis 2 walks the kv tiles a query tile needs (per-query-tile kv ranges via scalar prefetch, splash style: tiles
     no query of the tile can see are neither fetched nor computed), once for the log-sum-exp (pass 1) and once for
     the probabilities (pass 2). With `full_lse` given there is only pass 2; with `cache_scores` pass 2 re-reads the
     masked scores pass 1 left in VMEM instead of a second matmul.
@@ -123,7 +123,7 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: i
         bq //= 2
 
 
-def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, schedule, nh,
+def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, schedule, nh,
             layout, group, scale):
     if mode == "per_head":
         lse_ref = None
@@ -149,7 +149,7 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, m
     else:
         in_pass1 = False
         k = step
-    tile = schedule.tile(tiles_ref, counts_ref, b, qi, k)
+    tile = schedule.tile(firsts_ref, counts_ref, b, qi, k)
     active = k < count
     last_step = (2 * nk if two_pass else nk) - 1
 
@@ -223,7 +223,7 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, m
         out_ref[...] = acc / jnp.maximum(total, common.F32_TINY)
 
 
-def teacher_pallas(q, kv, qmeta, kmeta, tiles, counts, lse_in, *, mode: str, cfg: TeacherConfig, scale: float,
+def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cfg: TeacherConfig, scale: float,
                    schedule: common.TileSchedule, interpret=False):
     """Runs the dense teacher kernel on padded, prepared inputs.
 
@@ -231,7 +231,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, tiles, counts, lse_in, *, mode: str, cfg
       q: [B, S_p, H, D] (bf16/f32), S_p a multiple of cfg.block_q.
       kv: [B, N_p, D] same dtype as q, N_p a multiple of cfg.block_k.
       qmeta: int32 [B, S_p, 128]; kmeta: int32 [B, 8, N_p] (see `common`).
-      tiles, counts: compacted kv-tile table from `common.compact_tile_table` (ignored when schedule.causal).
+      firsts, counts: per-query-tile kv-tile ranges from `common.tile_ranges` (ignored when schedule.causal).
       lse_in: None (per_head), u (joint) or F (full_lse), f32 in the row layout's HBM form
         (`common.row_layout(...).stats_to_hbm`).
       mode: "per_head" | "joint" | "full_lse".
@@ -250,7 +250,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, tiles, counts, lse_in, *, mode: str, cfg
     steps = 2 * nk if mode != "full_lse" else nk
     cached = cfg.cache_scores and mode != "full_lse"
 
-    def decode(p, step, tiles_ref, counts_ref):
+    def decode(p, step, firsts_ref, counts_ref):
         bb = lax.div(p, nq)
         qi = common.zigzag(lax.rem(p, nq), nq)
         if mode == "full_lse":
@@ -259,26 +259,26 @@ def teacher_pallas(q, kv, qmeta, kmeta, tiles, counts, lse_in, *, mode: str, cfg
             k = jnp.minimum(step, nk - 1)
         else:
             k = jnp.where(step < nk, step, step - nk)
-        return bb, qi, schedule.tile(tiles_ref, counts_ref, bb, qi, k)
+        return bb, qi, schedule.tile(firsts_ref, counts_ref, bb, qi, k)
 
-    def q_map(p, c, step, tiles_ref, counts_ref):
-        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
+    def q_map(p, c, step, firsts_ref, counts_ref):
+        bb, qi, _ = decode(p, step, firsts_ref, counts_ref)
         return bb, qi, lax.div(c * hc, group), 0
 
-    def kv_map(p, c, step, tiles_ref, counts_ref):
-        bb, _, tile = decode(p, step, tiles_ref, counts_ref)
+    def kv_map(p, c, step, firsts_ref, counts_ref):
+        bb, _, tile = decode(p, step, firsts_ref, counts_ref)
         return bb, tile, 0
 
-    def kmeta_map(p, c, step, tiles_ref, counts_ref):
-        bb, _, tile = decode(p, step, tiles_ref, counts_ref)
+    def kmeta_map(p, c, step, firsts_ref, counts_ref):
+        bb, _, tile = decode(p, step, firsts_ref, counts_ref)
         return bb, 0, tile
 
-    def row_map(p, c, step, tiles_ref, counts_ref):
-        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
+    def row_map(p, c, step, firsts_ref, counts_ref):
+        bb, qi, _ = decode(p, step, firsts_ref, counts_ref)
         return bb, qi, 0
 
-    def lse_map(p, c, step, tiles_ref, counts_ref):
-        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
+    def lse_map(p, c, step, firsts_ref, counts_ref):
+        bb, qi, _ = decode(p, step, firsts_ref, counts_ref)
         return bb, c, qi, 0, 0
 
     in_specs = [
@@ -322,4 +322,4 @@ def teacher_pallas(q, kv, qmeta, kmeta, tiles, counts, lse_in, *, mode: str, cfg
                                       bytes_accessed=q.size * q.dtype.itemsize + b * s_p * n_p * 4),
         interpret=interpret,
         name=f"csa_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}{'_cached' if cached else ''}",
-    )(tiles, counts, *operands)
+    )(firsts, counts, *operands)
