@@ -1,6 +1,6 @@
 """v5p AOT compiles of the shipped dense configurations (real Mosaic + XLA:TPU compilers on a CPU host).
 
-Forward + backward at the DeepSeek-V4-Flash shape (B=1, H=64, D=512, m=4, W=128, bf16) for S=4096 and S=32768,
+Forward + backward at the DeepSeek-V4-Flash shape (B=1, H=64, D=512, m=4, W=128, bf16) for S=4096, 32768 and 131072,
 both targets: the program must compile and its temp HBM must stay <= 1.25 x one [B, S, N] f32 array + 64 MiB.
 """
 
@@ -41,7 +41,7 @@ def input_structs(seq, *, batch=1, heads=64, head_dim=512, ratio=4, dtype=jnp.bf
             aot.struct((heads,), jnp.float32))
 
 
-@pytest.mark.parametrize("seq", [4096, 32768])
+@pytest.mark.parametrize("seq", [4096, 32768, 131072])
 @pytest.mark.parametrize("target", ["per_head", "joint"])
 def test_flash_shape_forward_backward_compiles_within_memory_bound(seq, target):
     require_libtpu()
