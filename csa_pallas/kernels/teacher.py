@@ -72,7 +72,9 @@ CHIPS = {
     "v6e": ChipBudget("v6e", vmem_bytes=128 * MiB, target_rows=4096),
 }
 DEFAULT_CHIP = "v5p"
-USABLE_VMEM_FRACTION = 0.85
+# The calculator is an upper estimate (bq64 x hc64 cached: 55 MiB estimated, compiles under a 60 MiB limit).
+USABLE_VMEM_FRACTION = 0.94
+VMEM_HEADROOM = 4 * MiB  # left to Mosaic's internal scratch above the scoped limit
 
 
 def padded_blocks(num_blocks: int, block_k: int) -> int:
@@ -95,9 +97,9 @@ def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks:
     scratch = rows * head_dim * isz + 2 * rows * max(lanes, 128) * 4 + rows * 128 * 4
     if cfg.cache_scores:
         scratch += rows * n_p * 4
-    # f32 score-sized temporaries seen in Mosaic's allocation: scores, masked scores, exp, per-lane chunks (~8),
+    # f32 score-sized temporaries live at once in Mosaic's allocation: scores, masked scores, exp, chunks (~5),
     # plus the identity-mask conversion of the stats block.
-    temporaries = 8 * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
+    temporaries = 5 * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
     return blocks + scratch + temporaries
 
 
@@ -112,15 +114,18 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: i
     if head_chunk is None:
         head_chunk = max(d for d in range(1, num_heads + 1)
                          if num_heads % d == 0 and d * bq <= budget.target_rows)
-    while True:
-        for cache in (True, False):
-            cfg = TeacherConfig(bq, bk, head_chunk, cache, 0)
+    # One matmul (cached scores) beats a larger query tile: try every tile with the cache first.
+    for cache in (True, False):
+        for block_q in (bq, bq // 2, bq // 4):
+            if block_q < 16:
+                continue
+            cfg = TeacherConfig(block_q, bk, head_chunk, cache, 0)
             need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, num_blocks=num_blocks, dtype=dtype,
                               mode=mode)
-            if need <= usable or (not cache and bq == 16):
-                limit = min(max(int(need * 1.25) + 4 * MiB, 32 * MiB), budget.vmem_bytes)
+            if need <= usable:
+                limit = min(max(int(need * 1.25) + 4 * MiB, 32 * MiB), budget.vmem_bytes - VMEM_HEADROOM)
                 return dataclasses.replace(cfg, vmem_limit_bytes=limit)
-        bq //= 2
+    return TeacherConfig(16, bk, head_chunk, False, budget.vmem_bytes - VMEM_HEADROOM)
 
 
 def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, schedule, nh,
