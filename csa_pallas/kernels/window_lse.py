@@ -78,7 +78,7 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, dtype, head_c
     bq = 128 if small > 128 else small
     bk = 128 if small > 128 else small
     if head_chunk is None:
-        head_chunk = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * bq <= 2048)
+        head_chunk = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * bq <= 4096)
     cfg = WindowConfig(bq, bk, head_chunk, 0)
     need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, dtype=dtype)
     if need > vmem_budget and bq > 16:
