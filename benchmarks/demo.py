@@ -77,13 +77,11 @@ def check_against_reference():
 
 
 def memory_table(seqs, topology):
-    print(f"== v5p HBM of forward+backward, DeepSeek-V4-Flash shape (B=1 H=64 D=512 m=4 W=128 bf16) ==")
+    print("== v5p HBM of forward+backward, DeepSeek-V4-Flash shape (B=1 H=64 D=512 m=4 W=128 bf16) ==")
+    print("(xla baseline = MaxText-style per-head softmax with a lax.scan over head chunks, benchmarks/xla_baseline.py)")
     print(f"(AOT compile for {topology} on a '{jax.default_backend()}' host; bytes from compiled.memory_analysis())")
     print(f"{'impl':<22} {'S':>7} {'status':<8} {'temp MiB':>10} {'args MiB':>10} {'out MiB':>9} {'compile s':>10}")
-    try:
-        from benchmarks import xla_baseline
-    except ImportError:  # the baseline lives beside this script; keep the demo usable without it
-        xla_baseline = None
+    from benchmarks import xla_baseline
     for seq in seqs:
         n = seq // 4
         structs = (aot.struct((1, seq, n), jnp.float32), aot.struct((1, seq, 64, 512), jnp.bfloat16),
@@ -96,8 +94,10 @@ def memory_table(seqs, topology):
                 return jax.value_and_grad(lambda x: csa_pallas.indexer_distill_loss(
                     x, q, kv, target=target, window_size=128, implementation="pallas", **kw))(logits)
             rows.append((f"pallas {target}", program))
-        if xla_baseline is not None and hasattr(xla_baseline, "loss_and_grad_program"):
-            rows.append(("xla baseline hc=8", xla_baseline.loss_and_grad_program(head_chunk=8)))
+        for chunk in (1, 8):
+            def baseline(logits, q, kv, w, sinks, chunk=chunk):
+                return jax.value_and_grad(lambda x: xla_baseline.dense_loss(x, q, kv, head_chunk=chunk))(logits)
+            rows.append((f"xla baseline hc={chunk}", baseline))
         for name, program in rows:
             t0 = time.perf_counter()
             try:

@@ -198,11 +198,14 @@ def test_denominator_and_key_side_errors(fn, overrides, regex):
 
 
 @pytest.mark.parametrize("fn", ["loss", "teacher"])
-def test_pallas_sparse_not_implemented(fn):
+def test_pallas_window_kernel_needs_the_key_sequence_to_be_the_query_sequence(fn):
+    # Context-parallel shapes (S_kv != S) have no window-LSE kernel yet: a clear NotImplementedError, no fallback.
     fn = csa_pallas.indexer_distill_loss if fn == "loss" else csa_pallas.teacher_distribution
-    with pytest.raises(NotImplementedError, match=r"implementation='pallas': sparse \(top-k\) mode has no Pallas "
-                                                  r"kernel yet; pass implementation='xla'"):
-        call(fn=fn, topk_indices=i32(B, S, 3), indexer_logits=f32(B, S, 3), implementation="pallas")
+    kv_len = 2 * S
+    with pytest.raises(NotImplementedError, match=r"implementation='pallas': the window-LSE kernel needs the key "
+                                                  r"sequence to be the query sequence \(S_kv == S\)"):
+        call(fn=fn, window_kv=f32(B, kv_len, D), kv_segment_ids=i32(B, kv_len), kv_positions=i32(B, kv_len),
+             compressed_kv=f32(B, kv_len // M, D), indexer_logits=f32(B, S, kv_len // M), implementation="pallas")
 
 
 def test_teacher_distribution_rejects_bad_target():

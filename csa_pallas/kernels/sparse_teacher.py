@@ -1,0 +1,313 @@
+"""Sparse (top-k) teacher P over each query's K selected slots (SPEC §2-§3) as one Pallas TPU kernel.
+
+Why not gather the K selected blocks per query: every query selects its own K blocks, so a per-query gather is a
+[K, D] x [D] matrix-vector product per (query, head) (MXU-hostile) and would need per-row DMAs (bf16 single-row
+DMAs do not compile on v5p). Instead the kernel walks the kv tiles like the dense teacher (MXU-friendly
+[hc*bq, D] x [D, bk] products) and turns the top-k indices into a per-tile *multiplicity*:
+
+    mult[t, s] = #{ k : topk[t, k] == s }   for the bk blocks s of the current kv tile,
+
+masked by the dense visibility of block s for query t (segment, completeness, causality from qmeta/kmeta), so
+-1, out-of-range (never equal to a block id < N; ids in the padding [N, N_p) are invisible), future and
+other-document slots never match and are never read. Each slot is its own entry of the softmaxes (duplicates count
+once per slot), which is exactly sum_s mult[t, s] * exp(z[t, s]):
+
+  * pass 1 (skipped with full_lse): per-lane online LSE of z + log(mult) over mult > 0 -> C, F = logaddexp(u, C)
+    (joint) or C (per_head);
+  * pass 2: q[t, s] = sum_h exp(z[t, h, s] - F[t, h]) on mult > 0, then the slot-ordered output
+    p[t, k] += q[t, topk[t, k]] by a lane gather (`take_along_axis` within each 128-lane chunk of the tile, which
+    Mosaic supports for f32 sources of one vreg width) - each slot's block lies in exactly one kv tile, so it is
+    written exactly once per head chunk. The same gather of mult > 0 marks the slot valid.
+
+Grid (B*nq "parallel", H/hc "arbitrary", passes*nk "arbitrary"); the kv tiles visited by a query tile come from a
+conservative dense-style table (segment/causal overlap, intersected with the range [min, max] of the tile's
+in-range indices), reduced to one contiguous range [first, first + count) per query tile (`common.tile_ranges`)
+and passed by scalar prefetch as two [B*nq] vectors (a per-tile list overflows SMEM at S=131072). The
+multiplicity is an int32 compare/add over the [bq, K] index block: a `fori_loop` over K in 128-lane chunks
+(`pl.ds(pl.multiple_of(c*128, 128), 128)`) with a static 128-step loop over the chunk's lanes. That is K compares
+per (query, block), more VPU work than the matmul's MXU work at the Flash shape, so the resulting weights
+log(mult) are computed once per (query tile, kv tile) and kept in a VMEM cache [nk, bq, bk] for pass 2 and the
+other head chunks (when <= 8 MiB).
+
+Output: f32 [B, S_p, K_p] in slot order, rows L1-normalised over their valid slots, and -1.0 on empty slots: the
+sentinel carries V(t) to the KL kernels (`kl.py`, target_mask=True) without a separate [B, S, K] mask array.
+Callers of the public teacher clamp it to 0. No [B, S, K, D], [B, H, S, K] or [B, S, N] array exists in HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_pallas.kernels import common
+from csa_pallas.kernels import teacher as dense_teacher
+
+MODES = dense_teacher.MODES
+LANES = common.LANES
+EMPTY_SLOT = -1.0  # value of empty slots in the kernel output (the KL kernels' support mask is P >= 0)
+MiB = 1 << 20
+# VMEM for the per-(query tile, kv tile) slot weights log(mult), [nk, bq, bk] f32, re-used by pass 2 and the
+# other head chunks (the multiplicity is K int32 compares per (query, block): more VPU work than the matmul).
+MAX_WEIGHT_CACHE_BYTES = 8 * MiB
+
+
+def sparse_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: int, width: int, dtype, mode: str,
+                  head_chunk=None, cfg: dense_teacher.TeacherConfig = None) -> dense_teacher.TeacherConfig:
+    """The dense teacher's tiling with kv tiles of a multiple of 128 lanes (the lane gather works per 128-lane
+    chunk), no score cache, and VMEM for the [bq, K_p] index/output blocks, the multiplicity temporaries and the
+    weight cache."""
+    if cfg is None:
+        cfg = dense_teacher.default_config(num_heads=num_heads, head_dim=head_dim, seq_len=seq_len,
+                                           num_blocks=max(num_blocks, 129), dtype=dtype, mode=mode,
+                                           head_chunk=head_chunk)
+        k_p = common.round_up(width, LANES)
+        bk = 128 if num_blocks <= 128 else cfg.block_k
+        n_p = common.round_up(max(num_blocks, 1), bk)
+        cache = cfg.block_q * n_p * 4
+        extra = 6 * cfg.block_q * k_p * 4 + 8 * cfg.block_q * bk * 4
+        extra += cache if cache <= MAX_WEIGHT_CACHE_BYTES else 0
+        limit = min(cfg.vmem_limit_bytes + extra + 4 * MiB, 64 * MiB)
+        return dataclasses.replace(cfg, block_k=bk, cache_scores=False, vmem_limit_bytes=limit)
+    if cfg.block_k % LANES:
+        raise ValueError(f"sparse mode needs block_k to be a multiple of {LANES}, got {cfg.block_k}")
+    return dataclasses.replace(cfg, cache_scores=False)
+
+
+def _multiplicity(idx_ref, base, *, block_q: int, block_k: int, width_p: int):
+    """int32 [bq, bk]: how many slots of each row select block base + s (s < bk)."""
+    lane = lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1) + base
+
+    def body(c, acc):
+        chunk = idx_ref[:, pl.ds(pl.multiple_of(c * LANES, LANES), LANES)]  # [bq, 128]
+        for j in range(LANES):
+            acc = acc + (chunk[:, j:j + 1] == lane).astype(jnp.int32)
+        return acc
+
+    return lax.fori_loop(0, width_p // LANES, body, jnp.zeros((block_q, block_k), jnp.int32))
+
+
+def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref, *refs, mode, schedule, nh, layout,
+            group, scale, width_p, cache_weights):
+    if mode == "per_head":
+        lse_ref = None
+        out_ref, m_ref, l_ref, f_ref, valid_ref, *extra = refs
+    else:
+        lse_ref, out_ref, m_ref, l_ref, f_ref, valid_ref, *extra = refs
+    rows_ref = None if layout.token_major else extra.pop(0)
+    weight_ref = extra.pop(0) if cache_weights else None
+    nq, nk = schedule.nq, schedule.nk
+    bq, bk, hc = layout.block_q, schedule.block_k, layout.head_chunk
+    two_pass = mode != "full_lse"
+    n_chunks = width_p // LANES
+
+    p = pl.program_id(0)
+    c = pl.program_id(1)
+    step = pl.program_id(2)
+    b = lax.div(p, nq)
+    qi = common.zigzag(lax.rem(p, nq), nq)
+    count = schedule.count(counts_ref, b, qi)
+    if two_pass:
+        in_pass1 = step < nk
+        k = jnp.where(in_pass1, step, step - nk)
+    else:
+        in_pass1 = False
+        k = step
+    tile = schedule.tile(tiles_ref, counts_ref, b, qi, k)
+    active = k < count
+    last_step = (2 * nk if two_pass else nk) - 1
+    base = tile * bk
+
+    @pl.when((c == 0) & (step == 0))
+    def _():
+        out_ref[...] = jnp.zeros_like(out_ref)
+        valid_ref[...] = jnp.zeros_like(valid_ref)
+
+    @pl.when(step == 0)
+    def _():
+        if not layout.token_major:
+            common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
+        if two_pass:
+            m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        else:
+            f = layout.block_to_column(lse_ref[...].astype(jnp.float32))
+            f_ref[...] = jnp.where(jnp.isfinite(f), f, 0.0)
+
+    def compute_weight():
+        """log(multiplicity) of each block of the tile among the row's visible slots (-inf: not selected),
+        f32 [bq, bk]."""
+        mult = _multiplicity(idx_ref, base, block_q=bq, block_k=bk, width_p=width_p)
+        visible = (kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (kmeta_ref[1:2, :] <= qmeta_ref[:, 1:2])
+        mult = jnp.where(visible, mult, 0)
+        return jnp.where(mult > 0, jnp.log(jnp.maximum(mult, 1).astype(jnp.float32)), -jnp.inf)
+
+    def slot_weight(first_use):
+        """The tile's weights; with the cache, computed once per (query tile, kv tile) at `first_use`."""
+        if weight_ref is None:
+            return compute_weight()
+
+        @pl.when(first_use)
+        def _():
+            weight_ref[k] = compute_weight()
+
+        return weight_ref[k]
+
+    def scores():
+        rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
+        z = lax.dot_general(rows, kv_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return (z * scale).reshape(*layout.view, bk)
+
+    if two_pass:
+        @pl.when(in_pass1 & active)
+        def _():
+            weight = slot_weight(c == 0)
+            z = scores() + layout.expand_mask(weight)  # sum_slots exp(z) = sum_s mult * exp(z)
+            common.online_lse_update(m_ref, l_ref, z, LANES)
+
+        @pl.when(step == nk - 1)
+        def _():
+            lse = common.finish_lse(m_ref[...], l_ref[...])  # C: [*view, 1]
+            if mode == "joint":
+                lse = common.logaddexp(layout.block_to_column(lse_ref[...].astype(jnp.float32)), lse)
+            f_ref[...] = jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+    @pl.when(jnp.logical_not(in_pass1) & active)
+    def _():
+        sel = slot_weight(c == 0 if not two_pass else False) >= 0.0  # log(mult) >= 0 where selected
+        z = jnp.where(layout.expand_mask(sel), scores(), -jnp.inf)
+        probs = jnp.sum(jnp.exp(z - f_ref[...]), axis=layout.head_axis)  # [bq, bk]
+        probs = jnp.where(sel, probs, 0.0)
+        marks = sel.astype(jnp.float32)
+        src = [(probs[:, j:j + LANES], marks[:, j:j + LANES]) for j in range(0, bk, LANES)]
+
+        def body(ci, carry):
+            lanes = pl.ds(pl.multiple_of(ci * LANES, LANES), LANES)
+            local = idx_ref[:, lanes] - base  # [bq, 128] position of each slot's block inside the tile
+            acc = jnp.zeros((bq, LANES), jnp.float32)
+            hit = jnp.zeros((bq, LANES), jnp.float32)
+            for j, (pj, mj) in enumerate(src):
+                off = local - j * LANES
+                inside = (off >= 0) & (off < LANES)
+                safe = jnp.where(inside, off, 0)
+                acc = acc + jnp.where(inside, jnp.take_along_axis(pj, safe, axis=1), 0.0)
+                hit = hit + jnp.where(inside, jnp.take_along_axis(mj, safe, axis=1), 0.0)
+            out_ref[:, lanes] += acc
+            valid_ref[:, lanes] = jnp.maximum(valid_ref[:, lanes], hit)
+            return carry
+
+        lax.fori_loop(0, n_chunks, body, 0)
+
+    @pl.when((c == nh - 1) & (step == last_step))
+    def _():
+        valid = valid_ref[...] > 0
+        acc = jnp.where(valid, out_ref[...], 0.0)
+        total = jnp.sum(acc, axis=1, keepdims=True)
+        out_ref[...] = jnp.where(valid, acc / jnp.maximum(total, common.F32_TINY), EMPTY_SLOT)
+
+
+def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mode: str,
+                          cfg: dense_teacher.TeacherConfig, scale: float, schedule: common.TileSchedule,
+                          interpret=False):
+    """Runs the sparse teacher kernel on padded, prepared inputs.
+
+    Args:
+      q: [B, S_p, H, D] (bf16/f32), S_p a multiple of cfg.block_q.
+      kv: [B, N_p, D] same dtype as q, N_p a multiple of cfg.block_k (a multiple of 128).
+      qmeta: int32 [B, S_p, 128]; kmeta: int32 [B, 8, N_p] (see `common`; padding blocks invisible).
+      idx: int32 [B, S_p, K_p] raw top-k indices (K_p a multiple of 128; padding slots -1). Any value is safe.
+      tiles, counts: per-query-tile kv ranges from `common.tile_ranges` (firsts, counts), read by `schedule`
+        (a `common.TileSchedule`; causal=True is also correct since the kernel masks exactly).
+      lse_in: None (per_head), u (joint) or F (full_lse) in the row layout's HBM form.
+
+    Returns:
+      f32 [B, S_p, K_p]: P in slot order on valid slots (rows sum to 1), EMPTY_SLOT (-1) on empty slots.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    b, s_p, h, d = q.shape
+    n_p = kv.shape[1]
+    k_p = idx.shape[2]
+    bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
+    if bk % LANES or k_p % LANES:
+        raise ValueError(f"block_k ({bk}) and K_p ({k_p}) must be multiples of {LANES}")
+    nq, nk, nh = s_p // bq, n_p // bk, h // hc
+    group = common.head_group(h, hc, q.dtype)
+    layout = common.row_layout(h, hc, bq, q.dtype)
+    steps = 2 * nk if mode != "full_lse" else nk
+
+    def decode(p, step, tiles_ref, counts_ref):
+        bb = lax.div(p, nq)
+        qi = common.zigzag(lax.rem(p, nq), nq)
+        k = step if mode == "full_lse" else jnp.where(step < nk, step, step - nk)
+        return bb, qi, schedule.tile(tiles_ref, counts_ref, bb, qi, k)
+
+    def q_map(p, c, step, tiles_ref, counts_ref):
+        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
+        return bb, qi, lax.div(c * hc, group), 0
+
+    def kv_map(p, c, step, tiles_ref, counts_ref):
+        bb, _, tile = decode(p, step, tiles_ref, counts_ref)
+        return bb, tile, 0
+
+    def kmeta_map(p, c, step, tiles_ref, counts_ref):
+        bb, _, tile = decode(p, step, tiles_ref, counts_ref)
+        return bb, 0, tile
+
+    def row_map(p, c, step, tiles_ref, counts_ref):
+        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
+        return bb, qi, 0
+
+    def lse_map(p, c, step, tiles_ref, counts_ref):
+        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
+        return bb, c, qi, 0, 0
+
+    in_specs = [
+        pl.BlockSpec((None, bq, group, d), q_map),
+        pl.BlockSpec((None, bk, d), kv_map),
+        pl.BlockSpec((None, bq, LANES), row_map),
+        pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map),
+        pl.BlockSpec((None, bq, k_p), row_map),
+    ]
+    operands = [q, kv, qmeta, kmeta, idx]
+    if mode != "per_head":
+        in_specs.append(pl.BlockSpec((None, None, None, *layout.view), lse_map))
+        operands.append(lse_in)
+    scratch = [
+        pltpu.VMEM((*layout.view, LANES), jnp.float32),
+        pltpu.VMEM((*layout.view, LANES), jnp.float32),
+        pltpu.VMEM((*layout.view, 1), jnp.float32),
+        pltpu.VMEM((bq, k_p), jnp.float32),
+    ]
+    if not layout.token_major:
+        scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
+    cache_weights = (2 if mode != "full_lse" else 1) * nh > 1 and bq * n_p * 4 <= MAX_WEIGHT_CACHE_BYTES
+    if cache_weights:
+        scratch.append(pltpu.VMEM((nk, bq, bk), jnp.float32))
+    kernel = functools.partial(_kernel, mode=mode, schedule=schedule, nh=nh, layout=layout, group=group,
+                               scale=scale, width_p=k_p, cache_weights=cache_weights)
+    passes = 1 if mode == "full_lse" else 2
+    order = "tok" if layout.token_major else "head"
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b * nq, nh, steps),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, bq, k_p), row_map),
+            scratch_shapes=scratch,
+        ),
+        out_shape=jax.ShapeDtypeStruct((b, s_p, k_p), jnp.float32),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=cfg.vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(flops=passes * 2 * b * s_p * h * n_p * d, transcendentals=b * s_p * h * n_p,
+                                      bytes_accessed=q.size * q.dtype.itemsize + 2 * b * s_p * k_p * 4),
+        interpret=interpret,
+        name=f"csa_sparse_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}",
+    )(tiles, counts, *operands)

@@ -1,0 +1,183 @@
+"""Sparse (top-k) mode through the Pallas kernels: input preparation, kernel launches and the loss's custom_vjp.
+
+Data flow of `indexer_distill_loss` (sparse mode):
+
+  q, compressed_kv, topk_indices, ids ──> [window_lse kernel ─> u] ──> sparse teacher kernel
+      ──> P' (f32 [B,S,K], slot order, -1 on empty slots, stop-gradient)
+  P', indexer_logits ──> KL forward kernel (target_mask: V(t) = {P' >= 0}) ──> per-row KL, lse, sum P, non-empty
+  backward: KL backward kernel(P', logits, lse, cotangent) ──> dI;  zeros for every teacher input.
+
+The raw top-k indices go to the kernel untouched (no validity pre-folding, which would cost a second [B, S, K]
+int32 array in HBM): the kernel matches them against the ids of the blocks of each kv tile and masks the match with
+the dense visibility, so -1 / out-of-range / future / other-document slots are simply never matched. The slot
+validity then travels to the KL inside P' itself (-1 sentinel), so the only [B, S, K]-sized temporary is P'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from csa_pallas import masks
+from csa_pallas import ops
+from csa_pallas import reference
+from csa_pallas.kernels import common
+from csa_pallas.kernels import kl as kl_kernels
+from csa_pallas.kernels import runtime
+from csa_pallas.kernels import sparse_teacher
+from csa_pallas.kernels import teacher as teacher_kernel
+from csa_pallas.validation import Problem
+
+# Widest KL tile along the slots (lanes); K_p above it is walked in 128-lane tiles.
+MAX_KL_LANES = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseLayout:
+    cfg: teacher_kernel.TeacherConfig
+    schedule: common.TileSchedule
+    qmeta: jax.Array  # int32 [B, S_p, 128]
+    kmeta: jax.Array  # int32 [B, 8, N_p]
+    tiles: jax.Array  # int32 [B*nq] first kv tile of each query tile
+    counts: jax.Array  # int32 [B*nq] number of kv tiles from there
+    padded_seq: int
+    padded_blocks: int
+    padded_width: int
+
+
+def _tile_need(problem: Problem, qmeta, kmeta, cfg, s_p: int, n_p: int):
+    """Dense-style conservative table, intersected with [min, max] of each query tile's in-range indices."""
+    need = common.tile_need(qmeta, kmeta, cfg.block_q, cfg.block_k)  # [B, nq, nk]
+    b, s, k = problem.topk_indices.shape
+    n = problem.num_blocks
+    idx = ops._pad_axis(problem.topk_indices.astype(jnp.int32), 1, s_p, -1)
+    idx = idx.reshape(b, s_p // cfg.block_q, cfg.block_q * k)
+    in_range = (idx >= 0) & (idx < n)
+    lo = jnp.min(jnp.where(in_range, idx, n_p), axis=-1)  # [B, nq]
+    hi = jnp.max(jnp.where(in_range, idx, -1), axis=-1)
+    tile_lo = jnp.arange(n_p // cfg.block_k, dtype=jnp.int32) * cfg.block_k
+    tile_hi = tile_lo + cfg.block_k - 1
+    overlap = (tile_hi[None, None, :] >= lo[..., None]) & (tile_lo[None, None, :] <= hi[..., None])
+    return need & overlap
+
+
+def sparse_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> SparseLayout:
+    dtype = ops._compute_dtype(problem.q, problem.compressed_kv)
+    cfg = sparse_teacher.sparse_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
+                                       seq_len=problem.seq_len, num_blocks=problem.num_blocks,
+                                       width=problem.width, dtype=dtype, mode=ops.teacher_mode(problem),
+                                       head_chunk=problem.head_chunk, cfg=cfg)
+    s_p = common.round_up(problem.seq_len, cfg.block_q)
+    n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
+    k_p = common.round_up(problem.width, common.LANES)
+    qmeta = common.query_meta(problem.segment_ids, problem.positions, s_p)
+    block_segment, block_end = reference.block_keys(problem)
+    kmeta = common.key_meta(block_segment, block_end, n_p, masks.INVALID_BLOCK_END)
+    tiles, counts = common.tile_ranges(_tile_need(problem, qmeta, kmeta, cfg, s_p, n_p))
+    schedule = common.TileSchedule(causal=False, nq=s_p // cfg.block_q, nk=n_p // cfg.block_k,
+                                   block_q=cfg.block_q, block_k=cfg.block_k, ratio=problem.compress_ratio,
+                                   num_blocks=problem.num_blocks)
+    return SparseLayout(cfg=cfg, schedule=schedule, qmeta=qmeta, kmeta=kmeta, tiles=tiles, counts=counts,
+                        padded_seq=s_p, padded_blocks=n_p, padded_width=k_p)
+
+
+def _teacher_padded(problem: Problem, layout: SparseLayout) -> jax.Array:
+    """P' f32 [B, S_p, K_p]: slot-order target on valid slots, -1 on empty slots (and padding)."""
+    cfg = layout.cfg
+    mode = ops.teacher_mode(problem)
+    dtype = ops._compute_dtype(problem.q, problem.compressed_kv)
+    q = ops._pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
+    kv = ops._pad_axis(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype), 1, layout.padded_blocks)
+    idx = problem.topk_indices.astype(jnp.int32)
+    idx = ops._pad_axis(ops._pad_axis(idx, 1, layout.padded_seq, -1), 2, layout.padded_width, -1)
+    lse_in = None
+    if mode != "per_head":
+        if mode == "full_lse":
+            stats = problem.full_lse
+        elif problem.noncompressed_lse is not None:
+            stats = problem.noncompressed_lse
+        else:
+            stats = ops.noncompressed_lse(problem)
+        stats = ops._pad_axis(jax.lax.stop_gradient(stats).astype(jnp.float32), 1, layout.padded_seq)
+        lse_in = common.row_layout(problem.num_heads, cfg.head_chunk, cfg.block_q, dtype).stats_to_hbm(stats)
+    target = sparse_teacher.sparse_teacher_pallas(q, kv, layout.qmeta, layout.kmeta, idx, layout.tiles,
+                                                  layout.counts, lse_in, mode=mode, cfg=cfg,
+                                                  scale=problem.softmax_scale, schedule=layout.schedule,
+                                                  interpret=runtime.interpret_mode())
+    return jax.lax.stop_gradient(target)
+
+
+def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> jax.Array:
+    """P, f32 [B, S, K] in slot order (0 on empty slots and empty rows)."""
+    b, s, k = problem.batch, problem.seq_len, problem.width
+    if problem.num_blocks == 0:
+        return jnp.zeros((b, s, k), jnp.float32)
+    layout = sparse_layout(problem, cfg)
+    return jnp.maximum(_teacher_padded(problem, layout)[:, :s, :k], 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KLStatic:
+    schedule: common.TileSchedule
+    interpret: object
+
+
+def _kl_schedule(batch: int, s_p: int, k_p: int, block_q: int):
+    bk = k_p if k_p <= MAX_KL_LANES else common.LANES
+    nq, nk = s_p // block_q, k_p // bk
+    schedule = common.TileSchedule(causal=False, nq=nq, nk=nk, block_q=block_q, block_k=bk, ratio=1,
+                                   num_blocks=k_p)
+    firsts = jnp.zeros((batch * nq,), jnp.int32)  # every query tile visits every slot tile
+    counts = jnp.full((batch * nq,), nk, jnp.int32)
+    return schedule, firsts, counts
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kl_stats(static: _KLStatic, logits, target, tiles, counts):
+    return kl_kernels.kl_forward_pallas(target, logits, None, None, tiles, counts, schedule=static.schedule,
+                                        interpret=static.interpret, target_mask=True)
+
+
+def _kl_stats_fwd(static, logits, target, tiles, counts):
+    stats = _kl_stats(static, logits, target, tiles, counts)
+    return stats, (logits, target, tiles, counts, stats)
+
+
+def _kl_stats_bwd(static, residuals, cotangent):
+    logits, target, tiles, counts, stats = residuals
+    coef = cotangent[:, :, 0, :]
+    rowstats = jnp.zeros_like(stats).at[:, :, 0].set(stats[:, :, 1]).at[:, :, 1].set(coef).at[:, :, 2].set(
+        stats[:, :, 2])
+    grad = kl_kernels.kl_backward_pallas(target, logits, None, None, tiles, counts, rowstats,
+                                         schedule=static.schedule, interpret=static.interpret, target_mask=True)
+    return grad, None, None, None
+
+
+_kl_stats.defvjp(_kl_stats_fwd, _kl_stats_bwd)
+
+
+def kl_rows(indexer_logits, target_padded, layout: SparseLayout):
+    """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S]."""
+    b, s, _ = indexer_logits.shape
+    logits = ops._pad_axis(ops._pad_axis(indexer_logits, 1, layout.padded_seq), 2, layout.padded_width)
+    schedule, tiles, counts = _kl_schedule(b, layout.padded_seq, layout.padded_width, layout.cfg.block_q)
+    stats = _kl_stats(_KLStatic(schedule, runtime.interpret_mode()), logits, target_padded, tiles, counts)
+    rows = stats[:, :, 0, :].reshape(b, -1)[:, :s]
+    nonempty = jax.lax.stop_gradient(stats[:, :, 3, :].reshape(b, -1)[:, :s]) > 0
+    return rows, nonempty
+
+
+def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0,
+                         cfg: Optional[teacher_kernel.TeacherConfig] = None):
+    """Sparse-mode loss through the kernels; same contract as `reference.indexer_distill_loss`."""
+    if problem.num_blocks == 0:  # S_kv < m: no block exists, every slot is empty
+        rows = jnp.zeros(indexer_logits.shape[:2], jnp.float32)
+        return reference.reduce_rows(rows, jnp.zeros(rows.shape, bool), reduction, scale)
+    layout = sparse_layout(problem, cfg)
+    target = _teacher_padded(problem, layout)
+    rows, nonempty = kl_rows(indexer_logits, target, layout)
+    return reference.reduce_rows(rows, nonempty, reduction, scale)

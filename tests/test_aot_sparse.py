@@ -1,0 +1,52 @@
+"""v5p AOT compiles of the sparse (top-k) kernels (real Mosaic + XLA:TPU compilers on a CPU host).
+
+Forward + backward at the DeepSeek-V4-Flash shape (B=1, H=64, D=512, m=4, W=128, K=512, bf16) for S=4096 (N=1024)
+, S=32768 (N=8192) and S=131072 (N=32768), both targets: the program must compile and its temp HBM must stay
+<= 1.25 x one [B, S, K] f32 array + 64 MiB.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from csa_pallas import aot, ops_sparse, validation
+
+from test_aot_kernels import require_libtpu
+
+MiB = 1 << 20
+
+
+def sparse_program(target, head_chunk=None, *, window=128, ratio=4):
+    def program(logits, q, compressed_kv, topk, window_kv, sinks):
+        def loss(x):
+            kwargs = dict(window_kv=window_kv, sinks=sinks) if target == "joint" else {}
+            problem = validation.validate(q, compressed_kv, topk_indices=topk, target=target, window_size=window,
+                                          compress_ratio=ratio, head_chunk=head_chunk, implementation="pallas",
+                                          **kwargs)
+            return ops_sparse.indexer_distill_loss(x, problem)
+        return jax.value_and_grad(loss)(logits)
+    return program
+
+
+def input_structs(seq, *, width=512, batch=1, heads=64, head_dim=512, ratio=4, dtype=jnp.bfloat16):
+    n = seq // ratio
+    return (aot.struct((batch, seq, width), jnp.float32), aot.struct((batch, seq, heads, head_dim), dtype),
+            aot.struct((batch, n, head_dim), dtype), aot.struct((batch, seq, width), jnp.int32),
+            aot.struct((batch, seq, head_dim), dtype), aot.struct((heads,), jnp.float32))
+
+
+@pytest.mark.parametrize("seq", [4096, 32768, 131072])
+@pytest.mark.parametrize("target", ["per_head", "joint"])
+def test_sparse_flash_shape_forward_backward_compiles_within_memory_bound(seq, target):
+    require_libtpu()
+    report = aot.compile_memory(sparse_program(target), *input_structs(seq))
+    one_target = seq * 512 * 4
+    bound = 1.25 * one_target + 64 * MiB
+    print(f"sparse AOT S={seq} {target}: {report}")
+    assert 0 < report.temp_bytes <= bound, (report, bound)
+
+
+def test_sparse_head_major_rows_compile():
+    # head_chunk 8 with bf16 is not a whole sublane tile: head-major rows; K=256 < N=256 tiles of 2.
+    require_libtpu()
+    aot.compile_for_tpu(sparse_program("joint", 8), *input_structs(1024, width=256))
