@@ -153,3 +153,59 @@ def check_against_reference(indexer_logits, q, compressed_kv, *, segment_ids=Non
                 grad_abs_err=grad_err, grad_rel_err=grad_err / max(grad_scale, 1e-30),
                 target_abs_err=float(jnp.max(jnp.abs(ref_p - base_p))),
                 grad_finite=bool(jnp.all(jnp.isfinite(base_grad))))
+
+
+# --- Sparse (top-k) mode: the Primus eager approach (gather the selected blocks, chunked over queries) ---
+
+def sparse_slot_mask(topk_indices, segment_ids, positions, compress_ratio: int, num_blocks: int):
+    """bool [B, S, K]: slot k is valid iff its index is in [0, N) and that block is visible (SPEC §2)."""
+    visible = block_mask(segment_ids, positions, compress_ratio, num_blocks)  # [B, S, N]
+    in_range = (topk_indices >= 0) & (topk_indices < num_blocks)
+    safe = jnp.where(in_range, topk_indices, 0)
+    return in_range & jnp.take_along_axis(visible, safe, axis=2), safe
+
+
+def sparse_teacher_per_head(q, compressed_kv, topk_indices, *, segment_ids=None, positions=None,
+                            compress_ratio: int = 4, softmax_scale=None, query_chunk: int = 512):
+    """Target P, f32 [B, S, K] in slot order: per-head softmax over the valid selected slots, head sum, L1.
+
+    The selected blocks are gathered into a [B, query_chunk, K, D] tensor per scan step over query chunks (Primus
+    eager chunks 512 rows), then contracted with the chunk's queries.
+    """
+    b, s, h, d = q.shape
+    n = compressed_kv.shape[1]
+    k = topk_indices.shape[2]
+    segment_ids, positions, tau = _defaults(q, segment_ids, positions, softmax_scale)
+    valid, safe = sparse_slot_mask(topk_indices, segment_ids, positions, compress_ratio, n)
+    q = jax.lax.stop_gradient(q)
+    kv = jax.lax.stop_gradient(compressed_kv)
+    chunk = min(query_chunk, s)
+    if s % chunk:
+        raise ValueError(f"query_chunk: expected a divisor of S={s}, got {chunk}")
+
+    def body(_, i):
+        qc = jax.lax.dynamic_slice_in_dim(q, i * chunk, chunk, axis=1)  # [B, c, H, D]
+        idx = jax.lax.dynamic_slice_in_dim(safe, i * chunk, chunk, axis=1)  # [B, c, K]
+        ok = jax.lax.dynamic_slice_in_dim(valid, i * chunk, chunk, axis=1)
+        gathered = jax.vmap(lambda kv_b, idx_b: kv_b[idx_b])(kv, idx)  # [B, c, K, D]
+        logits = jnp.einsum("bshd,bskd->bhsk", qc, gathered, preferred_element_type=jnp.float32) * tau
+        logits = jnp.where(ok[:, None], logits, DEFAULT_MASK_VALUE)
+        probs = jnp.where(ok[:, None], jax.nn.softmax(logits, axis=-1), 0.0)
+        head_sum = jnp.sum(probs, axis=1)  # [B, c, K]
+        total = jnp.sum(head_sum, axis=-1, keepdims=True)
+        return None, head_sum / jnp.maximum(total, F32_TINY)
+
+    _, chunks = jax.lax.scan(body, None, jnp.arange(s // chunk))  # [S/c, B, c, K]
+    return jnp.transpose(chunks, (1, 0, 2, 3)).reshape(b, s, k)
+
+
+def sparse_loss(indexer_logits, q, compressed_kv, topk_indices, *, segment_ids=None, positions=None,
+                compress_ratio: int = 4, softmax_scale=None, query_chunk: int = 512, scale: float = 1.0):
+    """Scalar f32 sparse loss (per-head target over the K slots, mean over non-empty rows)."""
+    n = compressed_kv.shape[1]
+    seg, pos, _ = _defaults(q, segment_ids, positions, softmax_scale)
+    target = sparse_teacher_per_head(q, compressed_kv, topk_indices, segment_ids=segment_ids, positions=positions,
+                                     compress_ratio=compress_ratio, softmax_scale=softmax_scale,
+                                     query_chunk=query_chunk)
+    valid, _ = sparse_slot_mask(topk_indices, seg, pos, compress_ratio, n)
+    return kl_mean(indexer_logits, target, valid) * scale
