@@ -77,7 +77,7 @@ def memory_rows(seqs, topology):
             print(f"{name:<32} {seq:>7} {cols} {B * seq * K * 4 / MiB:16.1f}", flush=True)
 
 
-def estimate_rows(seq, topology):
+def estimate_rows(seq, topology, only=None):
     tools = os.environ.get("CSA_PALLAS_TPU_ESTIMATE_DIR",
                            os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tools"))
     sys.path.insert(0, os.path.abspath(tools))
@@ -86,8 +86,14 @@ def estimate_rows(seq, topology):
             f"[{','.join(map(str, s.shape))}]" for s in structs(seq)]
     print(f"tpu_estimate.py static estimates (v5p, libtpu profile off; NOT measurements), S={seq}, fwd+bwd")
     for name, fn in programs().items():
+        if only and only not in name:
+            continue
         rep = te.estimate(fn, *args, topology=topology, libtpu_profile="off", timeout=1800)
-        print(f"{name:<32} BEST ESTIMATE {rep['summary']['best_estimate_us']:10.1f} us", flush=True)
+        best = rep["summary"].get("best_estimate_us")
+        if best is None:  # a loop whose trip count the tool could not determine: print its report instead
+            print(f"{name:<32} BEST ESTIMATE undetermined; report:\n{te.format_report(rep)}", flush=True)
+        else:
+            print(f"{name:<32} BEST ESTIMATE {best:10.1f} us", flush=True)
 
 
 def timing_rows(seq):
@@ -116,10 +122,13 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, nargs="*", default=[4096, 32768, 131072])
     parser.add_argument("--topology", default=aot.DEFAULT_TOPOLOGY)
     parser.add_argument("--estimate", action="store_true", help="static run-time estimates at the first --seq")
+    parser.add_argument("--only", default=None, help="estimate only the programs whose name contains this")
+    parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args(argv)
-    memory_rows(args.seq, args.topology)
+    if not args.no_memory:
+        memory_rows(args.seq, args.topology)
     if args.estimate:
-        estimate_rows(args.seq[0], args.topology)
+        estimate_rows(args.seq[0], args.topology, args.only)
     if jax.default_backend() == "tpu":
         timing_rows(args.seq[0])
 
