@@ -298,3 +298,39 @@ def logaddexp(a, b):
     lo = jnp.minimum(a, b)
     safe_hi = jnp.where(hi == -jnp.inf, 0.0, hi)
     return jnp.where(hi == -jnp.inf, -jnp.inf, safe_hi + jnp.log(1.0 + jnp.exp(lo - safe_hi)))
+
+
+def teacher_index_maps(*, nq: int, head_chunk: int, group: int, schedule: TileSchedule, step_to_k):
+    """BlockSpec index maps of the teacher kernels (dense and sparse), grid (B*nq, H/hc, steps).
+
+    step_to_k maps the pass-major step index to the position in the query tile's kv-tile walk (pass 1 and pass 2
+    walk the same tiles; a cached pass 2 keeps the last tile resident). Returns maps named q, kv, kmeta, row
+    (per-query-tile blocks such as qmeta, the output or the top-k indices) and lse (per-(head chunk, query tile)
+    statistics blocks).
+    """
+    def decode(p, step, firsts_ref, counts_ref):
+        b = lax.div(p, nq)
+        qi = zigzag(lax.rem(p, nq), nq)
+        return b, qi, schedule.tile(firsts_ref, counts_ref, b, qi, step_to_k(step))
+
+    def q_map(p, c, step, firsts_ref, counts_ref):
+        b, qi, _ = decode(p, step, firsts_ref, counts_ref)
+        return b, qi, lax.div(c * head_chunk, group), 0
+
+    def kv_map(p, c, step, firsts_ref, counts_ref):
+        b, _, tile = decode(p, step, firsts_ref, counts_ref)
+        return b, tile, 0
+
+    def kmeta_map(p, c, step, firsts_ref, counts_ref):
+        b, _, tile = decode(p, step, firsts_ref, counts_ref)
+        return b, 0, tile
+
+    def row_map(p, c, step, firsts_ref, counts_ref):
+        b, qi, _ = decode(p, step, firsts_ref, counts_ref)
+        return b, qi, 0
+
+    def lse_map(p, c, step, firsts_ref, counts_ref):
+        b, qi, _ = decode(p, step, firsts_ref, counts_ref)
+        return b, c, qi, 0, 0
+
+    return dict(q=q_map, kv=kv_map, kmeta=kmeta_map, row=row_map, lse=lse_map)

@@ -241,42 +241,19 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
     layout = common.row_layout(h, hc, bq, q.dtype)
     steps = 2 * nk if mode != "full_lse" else nk
 
-    def decode(p, step, tiles_ref, counts_ref):
-        bb = lax.div(p, nq)
-        qi = common.zigzag(lax.rem(p, nq), nq)
-        k = step if mode == "full_lse" else jnp.where(step < nk, step, step - nk)
-        return bb, qi, schedule.tile(tiles_ref, counts_ref, bb, qi, k)
-
-    def q_map(p, c, step, tiles_ref, counts_ref):
-        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
-        return bb, qi, lax.div(c * hc, group), 0
-
-    def kv_map(p, c, step, tiles_ref, counts_ref):
-        bb, _, tile = decode(p, step, tiles_ref, counts_ref)
-        return bb, tile, 0
-
-    def kmeta_map(p, c, step, tiles_ref, counts_ref):
-        bb, _, tile = decode(p, step, tiles_ref, counts_ref)
-        return bb, 0, tile
-
-    def row_map(p, c, step, tiles_ref, counts_ref):
-        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
-        return bb, qi, 0
-
-    def lse_map(p, c, step, tiles_ref, counts_ref):
-        bb, qi, _ = decode(p, step, tiles_ref, counts_ref)
-        return bb, c, qi, 0, 0
+    step_to_k = (lambda step: step) if mode == "full_lse" else (lambda step: jnp.where(step < nk, step, step - nk))
+    maps = common.teacher_index_maps(nq=nq, head_chunk=hc, group=group, schedule=schedule, step_to_k=step_to_k)
 
     in_specs = [
-        pl.BlockSpec((None, bq, group, d), q_map),
-        pl.BlockSpec((None, bk, d), kv_map),
-        pl.BlockSpec((None, bq, LANES), row_map),
-        pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map),
-        pl.BlockSpec((None, bq, k_p), row_map),
+        pl.BlockSpec((None, bq, group, d), maps["q"]),
+        pl.BlockSpec((None, bk, d), maps["kv"]),
+        pl.BlockSpec((None, bq, LANES), maps["row"]),
+        pl.BlockSpec((None, common.SUBLANES, bk), maps["kmeta"]),
+        pl.BlockSpec((None, bq, k_p), maps["row"]),
     ]
     operands = [q, kv, qmeta, kmeta, idx]
     if mode != "per_head":
-        in_specs.append(pl.BlockSpec((None, None, None, *layout.view), lse_map))
+        in_specs.append(pl.BlockSpec((None, None, None, *layout.view), maps["lse"]))
         operands.append(lse_in)
     scratch = [
         pltpu.VMEM((*layout.view, LANES), jnp.float32),
@@ -299,7 +276,7 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
             num_scalar_prefetch=2,
             grid=(b * nq, nh, steps),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, bq, k_p), row_map),
+            out_specs=pl.BlockSpec((None, bq, k_p), maps["row"]),
             scratch_shapes=scratch,
         ),
         out_shape=jax.ShapeDtypeStruct((b, s_p, k_p), jnp.float32),

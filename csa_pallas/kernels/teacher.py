@@ -255,46 +255,23 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     steps = 2 * nk if mode != "full_lse" else nk
     cached = cfg.cache_scores and mode != "full_lse"
 
-    def decode(p, step, firsts_ref, counts_ref):
-        bb = lax.div(p, nq)
-        qi = common.zigzag(lax.rem(p, nq), nq)
-        if mode == "full_lse":
-            k = step
-        elif cached:  # pass 2 reads VMEM: keep the last block resident
-            k = jnp.minimum(step, nk - 1)
-        else:
-            k = jnp.where(step < nk, step, step - nk)
-        return bb, qi, schedule.tile(firsts_ref, counts_ref, bb, qi, k)
-
-    def q_map(p, c, step, firsts_ref, counts_ref):
-        bb, qi, _ = decode(p, step, firsts_ref, counts_ref)
-        return bb, qi, lax.div(c * hc, group), 0
-
-    def kv_map(p, c, step, firsts_ref, counts_ref):
-        bb, _, tile = decode(p, step, firsts_ref, counts_ref)
-        return bb, tile, 0
-
-    def kmeta_map(p, c, step, firsts_ref, counts_ref):
-        bb, _, tile = decode(p, step, firsts_ref, counts_ref)
-        return bb, 0, tile
-
-    def row_map(p, c, step, firsts_ref, counts_ref):
-        bb, qi, _ = decode(p, step, firsts_ref, counts_ref)
-        return bb, qi, 0
-
-    def lse_map(p, c, step, firsts_ref, counts_ref):
-        bb, qi, _ = decode(p, step, firsts_ref, counts_ref)
-        return bb, c, qi, 0, 0
+    if mode == "full_lse":
+        step_to_k = lambda step: step
+    elif cached:  # pass 2 reads VMEM: keep the last block resident
+        step_to_k = lambda step: jnp.minimum(step, nk - 1)
+    else:
+        step_to_k = lambda step: jnp.where(step < nk, step, step - nk)
+    maps = common.teacher_index_maps(nq=nq, head_chunk=hc, group=group, schedule=schedule, step_to_k=step_to_k)
 
     in_specs = [
-        pl.BlockSpec((None, bq, group, d), q_map),
-        pl.BlockSpec((None, bk, d), kv_map),
-        pl.BlockSpec((None, bq, common.LANES), row_map),
-        pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map),
+        pl.BlockSpec((None, bq, group, d), maps["q"]),
+        pl.BlockSpec((None, bk, d), maps["kv"]),
+        pl.BlockSpec((None, bq, common.LANES), maps["row"]),
+        pl.BlockSpec((None, common.SUBLANES, bk), maps["kmeta"]),
     ]
     operands = [q, kv, qmeta, kmeta]
     if mode != "per_head":
-        in_specs.append(pl.BlockSpec((None, None, None, *layout.view), lse_map))
+        in_specs.append(pl.BlockSpec((None, None, None, *layout.view), maps["lse"]))
         operands.append(lse_in)
     lanes = min(common.LANES, bk)
     scratch = [
@@ -316,7 +293,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
             num_scalar_prefetch=2,
             grid=(b * nq, nh, steps),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, bq, n_p), row_map),
+            out_specs=pl.BlockSpec((None, bq, n_p), maps["row"]),
             scratch_shapes=scratch,
         ),
         out_shape=jax.ShapeDtypeStruct((b, s_p, n_p), jnp.float32),
