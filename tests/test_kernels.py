@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 import csa_pallas
-from csa_pallas import ops, reference, validation
+from csa_pallas import reference, validation
 from csa_pallas.kernels import runtime
 from csa_pallas.kernels.teacher import TeacherConfig
 

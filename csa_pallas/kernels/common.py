@@ -334,3 +334,37 @@ def teacher_index_maps(*, nq: int, head_chunk: int, group: int, schedule: TileSc
         return b, c, qi, 0, 0
 
     return dict(q=q_map, kv=kv_map, kmeta=kmeta_map, row=row_map, lse=lse_map)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherStep:
+    """Where a teacher grid step is: batch b, query tile qi (zig-zag), head chunk c, pass-major step, its kv walk
+    position k and tile, whether it is in pass 1 and whether the tile is visited (active)."""
+
+    b: jax.Array
+    qi: jax.Array
+    c: jax.Array
+    step: jax.Array
+    in_pass1: object
+    k: jax.Array
+    tile: jax.Array
+    active: jax.Array
+    last_step: int
+
+
+def teacher_step(schedule: TileSchedule, firsts_ref, counts_ref, *, two_pass: bool) -> TeacherStep:
+    """Decodes the program ids of the teacher kernels (grid (B*nq, H/hc, passes*nk))."""
+    from jax.experimental import pallas as pl  # local: keeps this module importable without pallas users
+
+    nq, nk = schedule.nq, schedule.nk
+    p, c, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b = lax.div(p, nq)
+    qi = zigzag(lax.rem(p, nq), nq)
+    if two_pass:
+        in_pass1 = step < nk
+        k = jnp.where(in_pass1, step, step - nk)
+    else:
+        in_pass1, k = False, step
+    return TeacherStep(b=b, qi=qi, c=c, step=step, in_pass1=in_pass1, k=k,
+                       tile=schedule.tile(firsts_ref, counts_ref, b, qi, k),
+                       active=k < schedule.count(counts_ref, b, qi), last_step=(2 * nk if two_pass else nk) - 1)

@@ -101,26 +101,13 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
         lse_ref, out_ref, m_ref, l_ref, f_ref, valid_ref, *extra = refs
     rows_ref = None if layout.token_major else extra.pop(0)
     weight_ref = extra.pop(0) if cache_weights else None
-    nq, nk = schedule.nq, schedule.nk
+    nk = schedule.nk
     bq, bk, hc = layout.block_q, schedule.block_k, layout.head_chunk
     two_pass = mode != "full_lse"
     n_chunks = width_p // LANES
 
-    p = pl.program_id(0)
-    c = pl.program_id(1)
-    step = pl.program_id(2)
-    b = lax.div(p, nq)
-    qi = common.zigzag(lax.rem(p, nq), nq)
-    count = schedule.count(counts_ref, b, qi)
-    if two_pass:
-        in_pass1 = step < nk
-        k = jnp.where(in_pass1, step, step - nk)
-    else:
-        in_pass1 = False
-        k = step
-    tile = schedule.tile(tiles_ref, counts_ref, b, qi, k)
-    active = k < count
-    last_step = (2 * nk if two_pass else nk) - 1
+    at = common.teacher_step(schedule, tiles_ref, counts_ref, two_pass=two_pass)
+    c, step, in_pass1, k, tile, active = at.c, at.step, at.in_pass1, at.k, at.tile, at.active
     base = tile * bk
 
     @pl.when((c == 0) & (step == 0))
@@ -203,7 +190,7 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
 
         lax.fori_loop(0, n_chunks, body, 0)
 
-    @pl.when((c == nh - 1) & (step == last_step))
+    @pl.when((c == nh - 1) & (step == at.last_step))
     def _():
         valid = valid_ref[...] > 0
         acc = jnp.where(valid, out_ref[...], 0.0)

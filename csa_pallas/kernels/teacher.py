@@ -137,26 +137,13 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         lse_ref, out_ref, m_ref, l_ref, f_ref, *extra = refs
     rows_ref = None if layout.token_major else extra.pop(0)
     cache_ref = extra[0] if cache_scores else None
-    nq, nk = schedule.nq, schedule.nk
+    nk = schedule.nk
     bq, bk, hc = layout.block_q, schedule.block_k, layout.head_chunk
     lanes = min(common.LANES, bk)
     two_pass = mode != "full_lse"
 
-    p = pl.program_id(0)
-    c = pl.program_id(1)
-    step = pl.program_id(2)
-    b = lax.div(p, nq)
-    qi = common.zigzag(lax.rem(p, nq), nq)
-    count = schedule.count(counts_ref, b, qi)
-    if two_pass:
-        in_pass1 = step < nk
-        k = jnp.where(in_pass1, step, step - nk)
-    else:
-        in_pass1 = False
-        k = step
-    tile = schedule.tile(firsts_ref, counts_ref, b, qi, k)
-    active = k < count
-    last_step = (2 * nk if two_pass else nk) - 1
+    at = common.teacher_step(schedule, firsts_ref, counts_ref, two_pass=two_pass)
+    qi, c, step, in_pass1, k, tile, active = at.qi, at.c, at.step, at.in_pass1, at.k, at.tile, at.active
 
     @pl.when((c == 0) & (step == 0))
     def _():
@@ -221,7 +208,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     else:
         when_active(jnp.logical_not(in_pass1), pass2)
 
-    @pl.when((c == nh - 1) & (step == last_step))
+    @pl.when((c == nh - 1) & (step == at.last_step))
     def _():
         acc = out_ref[...]
         total = jnp.sum(acc, axis=1, keepdims=True)
