@@ -161,12 +161,13 @@ def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherC
 class _KLStatic:
     schedule: common.TileSchedule
     interpret: object
+    target_mask: bool = False  # sparse mode: validity read from P (-1 on empty slots) instead of qmeta/kmeta
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kl_stats(static: _KLStatic, logits, target, qmeta, kmeta, firsts, counts):
     return kl_kernels.kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, schedule=static.schedule,
-                                        interpret=static.interpret)
+                                        interpret=static.interpret, target_mask=static.target_mask)
 
 
 def _kl_stats_fwd(static, logits, target, qmeta, kmeta, firsts, counts):
@@ -181,23 +182,31 @@ def _kl_stats_bwd(static, residuals, cotangent):
     rowstats = jnp.zeros_like(stats).at[:, :, 0].set(stats[:, :, 1]).at[:, :, 1].set(coef).at[:, :, 2].set(
         stats[:, :, 2])
     grad = kl_kernels.kl_backward_pallas(target, logits, qmeta, kmeta, firsts, counts, rowstats,
-                                         schedule=static.schedule,
-                                         interpret=static.interpret)
+                                         schedule=static.schedule, interpret=static.interpret,
+                                         target_mask=static.target_mask)
     return grad, None, None, None, None, None
 
 
 _kl_stats.defvjp(_kl_stats_fwd, _kl_stats_bwd)
 
 
-def kl_rows(indexer_logits, target_padded, layout: DenseLayout):
-    """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S]."""
-    b, s, n = indexer_logits.shape
-    logits = _pad_axis(_pad_axis(indexer_logits, 1, layout.padded_seq), 2, layout.padded_blocks)
-    static = _KLStatic(layout.schedule, runtime.interpret_mode())
-    stats = _kl_stats(static, logits, target_padded, layout.qmeta, layout.kmeta, layout.firsts, layout.counts)
+def padded_kl_rows(indexer_logits, target_padded, *, qmeta, kmeta, firsts, counts, schedule: common.TileSchedule,
+                   target_mask: bool = False):
+    """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S], from the KL kernels
+    on the padded target [B, S_p, W_p] (shared by dense and sparse mode)."""
+    b, s, _ = indexer_logits.shape
+    logits = _pad_axis(_pad_axis(indexer_logits, 1, target_padded.shape[1]), 2, target_padded.shape[2])
+    static = _KLStatic(schedule, runtime.interpret_mode(), target_mask)
+    stats = _kl_stats(static, logits, target_padded, qmeta, kmeta, firsts, counts)
     rows = stats[:, :, 0, :].reshape(b, -1)[:, :s]
     nonempty = jax.lax.stop_gradient(stats[:, :, 3, :].reshape(b, -1)[:, :s]) > 0
     return rows, nonempty
+
+
+def kl_rows(indexer_logits, target_padded, layout: DenseLayout):
+    """Dense mode: `padded_kl_rows` with the teacher's metadata and kv-tile schedule."""
+    return padded_kl_rows(indexer_logits, target_padded, qmeta=layout.qmeta, kmeta=layout.kmeta,
+                          firsts=layout.firsts, counts=layout.counts, schedule=layout.schedule)
 
 
 def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0,

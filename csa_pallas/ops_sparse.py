@@ -16,7 +16,6 @@ validity then travels to the KL inside P' itself (-1 sentinel), so the only [B, 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import jax
@@ -26,7 +25,6 @@ from csa_pallas import masks
 from csa_pallas import ops
 from csa_pallas import reference
 from csa_pallas.kernels import common
-from csa_pallas.kernels import kl as kl_kernels
 from csa_pallas.kernels import runtime
 from csa_pallas.kernels import sparse_teacher
 from csa_pallas.kernels import teacher as teacher_kernel
@@ -120,12 +118,6 @@ def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherC
     return jnp.maximum(_teacher_padded(problem, layout)[:, :s, :k], 0.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class _KLStatic:
-    schedule: common.TileSchedule
-    interpret: object
-
-
 def _kl_schedule(batch: int, s_p: int, k_p: int, block_q: int):
     bk = k_p if k_p <= MAX_KL_LANES else common.LANES
     nq, nk = s_p // block_q, k_p // bk
@@ -136,39 +128,12 @@ def _kl_schedule(batch: int, s_p: int, k_p: int, block_q: int):
     return schedule, firsts, counts
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kl_stats(static: _KLStatic, logits, target, tiles, counts):
-    return kl_kernels.kl_forward_pallas(target, logits, None, None, tiles, counts, schedule=static.schedule,
-                                        interpret=static.interpret, target_mask=True)
-
-
-def _kl_stats_fwd(static, logits, target, tiles, counts):
-    stats = _kl_stats(static, logits, target, tiles, counts)
-    return stats, (logits, target, tiles, counts, stats)
-
-
-def _kl_stats_bwd(static, residuals, cotangent):
-    logits, target, tiles, counts, stats = residuals
-    coef = cotangent[:, :, 0, :]
-    rowstats = jnp.zeros_like(stats).at[:, :, 0].set(stats[:, :, 1]).at[:, :, 1].set(coef).at[:, :, 2].set(
-        stats[:, :, 2])
-    grad = kl_kernels.kl_backward_pallas(target, logits, None, None, tiles, counts, rowstats,
-                                         schedule=static.schedule, interpret=static.interpret, target_mask=True)
-    return grad, None, None, None
-
-
-_kl_stats.defvjp(_kl_stats_fwd, _kl_stats_bwd)
-
-
 def kl_rows(indexer_logits, target_padded, layout: SparseLayout):
-    """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S]."""
-    b, s, _ = indexer_logits.shape
-    logits = ops._pad_axis(ops._pad_axis(indexer_logits, 1, layout.padded_seq), 2, layout.padded_width)
-    schedule, tiles, counts = _kl_schedule(b, layout.padded_seq, layout.padded_width, layout.cfg.block_q)
-    stats = _kl_stats(_KLStatic(schedule, runtime.interpret_mode()), logits, target_padded, tiles, counts)
-    rows = stats[:, :, 0, :].reshape(b, -1)[:, :s]
-    nonempty = jax.lax.stop_gradient(stats[:, :, 3, :].reshape(b, -1)[:, :s]) > 0
-    return rows, nonempty
+    """Per-row KL [B, S] over the K slots and the non-empty row mask [B, S] (validity read from P >= 0)."""
+    schedule, firsts, counts = _kl_schedule(indexer_logits.shape[0], layout.padded_seq, layout.padded_width,
+                                            layout.cfg.block_q)
+    return ops.padded_kl_rows(indexer_logits, target_padded, qmeta=None, kmeta=None, firsts=firsts, counts=counts,
+                              schedule=schedule, target_mask=True)
 
 
 def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0,
