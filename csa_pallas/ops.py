@@ -99,9 +99,15 @@ def window_supported_reason(problem: Problem) -> Optional[str]:
     return None
 
 
-def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig] = None) -> jax.Array:
-    """u, f32 [B, S, H], from the window-LSE kernel plus the sinks (XLA)."""
-    reason = window_supported_reason(problem)
+def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig] = None,
+                      key_offset: int = 0, key_valid: Optional[jax.Array] = None) -> jax.Array:
+    """u, f32 [B, S, H], from the window-LSE kernel plus the sinks (XLA).
+
+    key_offset: 0 when the key sequence is the query sequence; W - 1 when window_kv (and the kv ids) carry a halo
+    of the W - 1 keys before the first query (a context-parallel shard, `csa_pallas.sharding`).
+    key_valid: optional bool [B, S_kv], False for key rows that do not exist (the halo of the first shard).
+    """
+    reason = window_supported_reason(problem) if key_offset == 0 else None
     if reason is not None:
         raise NotImplementedError(f"implementation='pallas': {reason}")
     dtype = _compute_dtype(problem.q, problem.window_kv)
@@ -110,14 +116,18 @@ def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig
         cfg = window_kernel.default_config(num_heads=h, head_dim=problem.head_dim, seq_len=s, dtype=dtype,
                                            head_chunk=problem.head_chunk)
     s_p = window_kernel.padded_len(s, cfg)
+    kv_p = common.round_up(max(problem.kv_len, s_p + key_offset), cfg.block_k)
     # Teacher side: stop_gradient before the kernels, so differentiating wrt these inputs gives exact zeros.
     q = _pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, s_p)
-    kv = _pad_axis(jax.lax.stop_gradient(problem.window_kv).astype(dtype), 1, s_p)
+    kv = _pad_axis(jax.lax.stop_gradient(problem.window_kv).astype(dtype), 1, kv_p)
     qmeta = common.query_meta(problem.segment_ids, problem.positions, s_p)
-    wmeta = common.key_meta(problem.kv_segment_ids, problem.kv_positions, s_p, 0)
-    wmeta = wmeta.at[:, 2, :].set((jnp.arange(s_p) < problem.kv_len).astype(jnp.int32)[None])
+    wmeta = common.key_meta(problem.kv_segment_ids, problem.kv_positions, kv_p, 0)
+    if key_valid is None:
+        key_valid = jnp.ones((b, problem.kv_len), bool)
+    wmeta = wmeta.at[:, 2, :].set(_pad_axis(key_valid.astype(jnp.int32), 1, kv_p))
     lse = window_kernel.window_lse_pallas(q, kv, qmeta, wmeta, cfg=cfg, window_size=problem.window_size,
-                                          scale=problem.softmax_scale, interpret=runtime.interpret_mode())
+                                          scale=problem.softmax_scale, key_offset=key_offset,
+                                          interpret=runtime.interpret_mode())
     lse = common.row_layout(h, cfg.head_chunk, cfg.block_q, dtype).stats_from_hbm(lse)[:, :s]
     if problem.sinks is not None:
         sinks = jax.lax.stop_gradient(problem.sinks).astype(jnp.float32)
@@ -125,7 +135,7 @@ def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig
     return lse
 
 
-def _teacher_padded(problem: Problem, layout: DenseLayout) -> jax.Array:
+def _teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True) -> jax.Array:
     """P, f32 [B, S_p, N_p] (padding rows/columns are zero)."""
     cfg = layout.cfg
     mode = teacher_mode(problem)
@@ -144,7 +154,8 @@ def _teacher_padded(problem: Problem, layout: DenseLayout) -> jax.Array:
         lse_in = common.row_layout(problem.num_heads, cfg.head_chunk, cfg.block_q, dtype).stats_to_hbm(stats)
     target = teacher_kernel.teacher_pallas(q, kv, layout.qmeta, layout.kmeta, layout.firsts, layout.counts, lse_in,
                                            mode=mode, cfg=cfg, scale=problem.softmax_scale,
-                                           schedule=layout.schedule, interpret=runtime.interpret_mode())
+                                           schedule=layout.schedule, normalize=normalize,
+                                           interpret=runtime.interpret_mode())
     return jax.lax.stop_gradient(target)
 
 

@@ -83,7 +83,7 @@ def sparse_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] 
                         padded_seq=s_p, padded_blocks=n_p, padded_width=k_p)
 
 
-def _teacher_padded(problem: Problem, layout: SparseLayout) -> jax.Array:
+def _teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = True) -> jax.Array:
     """P' f32 [B, S_p, K_p]: slot-order target on valid slots, -1 on empty slots (and padding)."""
     cfg = layout.cfg
     mode = ops.teacher_mode(problem)
@@ -105,7 +105,7 @@ def _teacher_padded(problem: Problem, layout: SparseLayout) -> jax.Array:
     target = sparse_teacher.sparse_teacher_pallas(q, kv, layout.qmeta, layout.kmeta, idx, layout.tiles,
                                                   layout.counts, lse_in, mode=mode, cfg=cfg,
                                                   scale=problem.softmax_scale, schedule=layout.schedule,
-                                                  interpret=runtime.interpret_mode())
+                                                  normalize=normalize, interpret=runtime.interpret_mode())
     return jax.lax.stop_gradient(target)
 
 

@@ -92,8 +92,17 @@ def _multiplicity(idx_ref, base, *, block_q: int, block_k: int, width_p: int):
     return lax.fori_loop(0, width_p // LANES, body, jnp.zeros((block_q, block_k), jnp.int32))
 
 
+def normalize_slots(head_sum: jax.Array) -> jax.Array:
+    """L1 normalisation of slot-order head sums, f32 [..., K_p]; negative entries (empty slots, possibly summed
+    over several shards) become EMPTY_SLOT."""
+    valid = head_sum >= 0.0
+    acc = jnp.where(valid, head_sum, 0.0)
+    total = jnp.sum(acc, axis=-1, keepdims=True)
+    return jnp.where(valid, acc / jnp.maximum(total, common.F32_TINY), EMPTY_SLOT)
+
+
 def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref, *refs, mode, schedule, nh, layout,
-            group, scale, width_p, cache_weights):
+            group, scale, width_p, cache_weights, normalize):
     if mode == "per_head":
         lse_ref = None
         out_ref, m_ref, l_ref, f_ref, valid_ref, *extra = refs
@@ -194,13 +203,14 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
     def _():
         valid = valid_ref[...] > 0
         acc = jnp.where(valid, out_ref[...], 0.0)
-        total = jnp.sum(acc, axis=1, keepdims=True)
-        out_ref[...] = jnp.where(valid, acc / jnp.maximum(total, common.F32_TINY), EMPTY_SLOT)
+        if normalize:
+            acc = acc / jnp.maximum(jnp.sum(acc, axis=1, keepdims=True), common.F32_TINY)
+        out_ref[...] = jnp.where(valid, acc, EMPTY_SLOT)
 
 
 def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mode: str,
                           cfg: dense_teacher.TeacherConfig, scale: float, schedule: common.TileSchedule,
-                          interpret=False):
+                          normalize: bool = True, interpret=False):
     """Runs the sparse teacher kernel on padded, prepared inputs.
 
     Args:
@@ -211,6 +221,8 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
       tiles, counts: per-query-tile kv ranges from `common.tile_ranges` (firsts, counts), read by `schedule`
         (a `common.TileSchedule`; causal=True is also correct since the kernel masks exactly).
       lse_in: None (per_head), u (joint) or F (full_lse) in the row layout's HBM form.
+      normalize: False leaves the valid slots as the unnormalised head sum (heads sharded over devices; see
+        `normalize_slots`).
 
     Returns:
       f32 [B, S_p, K_p]: P in slot order on valid slots (rows sum to 1), EMPTY_SLOT (-1) on empty slots.
@@ -254,7 +266,7 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
     if cache_weights:
         scratch.append(pltpu.VMEM((nk, bq, bk), jnp.float32))
     kernel = functools.partial(_kernel, mode=mode, schedule=schedule, nh=nh, layout=layout, group=group,
-                               scale=scale, width_p=k_p, cache_weights=cache_weights)
+                               scale=scale, width_p=k_p, cache_weights=cache_weights, normalize=normalize)
     passes = 1 if mode == "full_lse" else 2
     order = "tok" if layout.token_major else "head"
     return pl.pallas_call(

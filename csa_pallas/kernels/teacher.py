@@ -128,8 +128,14 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: i
     return TeacherConfig(16, bk, head_chunk, False, budget.vmem_bytes - VMEM_HEADROOM)
 
 
+def normalize_rows(head_sum: jax.Array) -> jax.Array:
+    """The kernel's final L1 normalisation, in XLA, for head sums built from several shards: f32 [..., N]."""
+    total = jnp.sum(head_sum, axis=-1, keepdims=True)
+    return head_sum / jnp.maximum(total, common.F32_TINY)
+
+
 def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, schedule, nh,
-            layout, group, scale):
+            layout, group, scale, normalize):
     if mode == "per_head":
         lse_ref = None
         out_ref, m_ref, l_ref, f_ref, *extra = refs
@@ -208,15 +214,16 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     else:
         when_active(jnp.logical_not(in_pass1), pass2)
 
-    @pl.when((c == nh - 1) & (step == at.last_step))
-    def _():
-        acc = out_ref[...]
-        total = jnp.sum(acc, axis=1, keepdims=True)
-        out_ref[...] = acc / jnp.maximum(total, common.F32_TINY)
+    if normalize:
+        @pl.when((c == nh - 1) & (step == at.last_step))
+        def _():
+            acc = out_ref[...]
+            total = jnp.sum(acc, axis=1, keepdims=True)
+            out_ref[...] = acc / jnp.maximum(total, common.F32_TINY)
 
 
 def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cfg: TeacherConfig, scale: float,
-                   schedule: common.TileSchedule, interpret=False):
+                   schedule: common.TileSchedule, normalize: bool = True, interpret=False):
     """Runs the dense teacher kernel on padded, prepared inputs.
 
     Args:
@@ -227,6 +234,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
       lse_in: None (per_head), u (joint) or F (full_lse), f32 in the row layout's HBM form
         (`common.row_layout(...).stats_to_hbm`).
       mode: "per_head" | "joint" | "full_lse".
+      normalize: False returns the head sum sum_h pi_h unnormalised (heads sharded over devices: the caller sums
+        the shards' partial sums, then normalises once with `normalize_rows`).
 
     Returns:
       P, f32 [B, S_p, N_p], rows L1-normalised (0 outside V(t) and on empty rows).
@@ -271,7 +280,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     if cached:
         scratch.append(pltpu.VMEM((nk, *layout.view, bk), jnp.float32))
     kernel = functools.partial(_kernel, mode=mode, cache_scores=cached, schedule=schedule, nh=nh, layout=layout,
-                               group=group, scale=scale)
+                               group=group, scale=scale, normalize=normalize)
     flops = 2 * b * s_p * h * n_p * d * (1 if cached or mode == "full_lse" else 2)
     order = "tok" if layout.token_major else "head"
     return pl.pallas_call(

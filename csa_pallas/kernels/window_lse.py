@@ -49,13 +49,13 @@ def padded_len(seq_len: int, cfg: WindowConfig) -> int:
     return common.round_up(max(seq_len, 1), max(cfg.block_q, cfg.block_k))
 
 
-def band_tiles(cfg: WindowConfig, window_size: int, num_tiles: int, num_q_tiles: int) -> int:
+def band_tiles(cfg: WindowConfig, window_size: int, num_tiles: int, num_q_tiles: int, key_offset: int = 0) -> int:
     """Key tiles the widest query tile overlaps (exact over the static tile positions; e.g. 2 for bq=bk=W=128)."""
     bq, bk = cfg.block_q, cfg.block_k
     widest = 0
     for qi in range(num_q_tiles):
-        first = max(qi * bq - (window_size - 1), 0) // bk
-        last = min((qi * bq + bq - 1) // bk, num_tiles - 1)
+        first = max(qi * bq + key_offset - (window_size - 1), 0) // bk
+        last = min((qi * bq + bq - 1 + key_offset) // bk, num_tiles - 1)
         widest = max(widest, last - first + 1)
     return widest
 
@@ -88,14 +88,14 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, dtype, head_c
 
 
 def _kernel(q_ref, kv_ref, qmeta_ref, kmeta_ref, out_ref, m_ref, l_ref, *rows, nq, num_kv_tiles, layout, block_k,
-            group, window_size, scale):
+            group, window_size, scale, key_offset):
     bq, bk, hc = layout.block_q, block_k, layout.head_chunk
     rows_ref = rows[0] if rows else None
     p = pl.program_id(0)
     c = pl.program_id(1)
     k = pl.program_id(2)
     qi = common.zigzag(lax.rem(p, nq), nq)
-    first, last = _band(qi, bq, bk, window_size, num_kv_tiles)
+    first, last = _band(qi, bq, bk, window_size, num_kv_tiles, key_offset)
 
     @pl.when(k == 0)
     def _():
@@ -119,34 +119,37 @@ def _kernel(q_ref, kv_ref, qmeta_ref, kmeta_ref, out_ref, m_ref, l_ref, *rows, n
         out_ref[...] = layout.column_to_block(common.finish_lse(m_ref[...], l_ref[...]))
 
 
-def _band(qi, bq, bk, window_size, num_kv_tiles):
-    first = lax.div(jnp.maximum(qi * bq - (window_size - 1), 0), bk)
-    last = jnp.minimum(lax.div(qi * bq + bq - 1, bk), num_kv_tiles - 1)
+def _band(qi, bq, bk, window_size, num_kv_tiles, key_offset):
+    first = lax.div(jnp.maximum(qi * bq + key_offset - (window_size - 1), 0), bk)
+    last = jnp.minimum(lax.div(qi * bq + bq - 1 + key_offset, bk), num_kv_tiles - 1)
     return first, last
 
 
 def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_size: int, scale: float,
-                      interpret=False):
+                      key_offset: int = 0, interpret=False):
     """Window log-sum-exp per (query, head).
 
     Args:
-      q: [B, S_p, H, D]; window_kv: [B, S_p, D] (same dtype); S_p = `padded_len(S, cfg)`.
+      q: [B, S_p, H, D]; window_kv: [B, S_kv_p, D] (same dtype); S_p = `padded_len(S, cfg)`, S_kv_p a multiple
+        of cfg.block_k.
       qmeta: int32 [B, S_p, 128] (lane 0 segment, lane 1 position).
-      wmeta: int32 [B, 8, S_p] (row 0 segment, row 1 position, row 2 = 1 for real keys, 0 for padding).
+      wmeta: int32 [B, 8, S_kv_p] (row 0 segment, row 1 position, row 2 = 1 for real keys, 0 for padding).
+      key_offset: query t's window lies in key rows [t + key_offset - W + 1, t + key_offset] (0: the key sequence
+        is the query sequence; W - 1: the keys carry a W - 1 row halo before the queries, context parallelism).
 
     Returns:
       f32 [B, H/hc, S_p/bq, *layout.view] (the row layout's HBM stats form), -inf where the window is empty.
     """
     b, s_p, h, d = q.shape
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
-    nq, nkt, nh = s_p // bq, s_p // bk, h // hc
-    band = band_tiles(cfg, window_size, nkt, nq)
+    nq, nkt, nh = s_p // bq, window_kv.shape[1] // bk, h // hc
+    band = band_tiles(cfg, window_size, nkt, nq, key_offset)
     group = common.head_group(h, hc, q.dtype)
     layout = common.row_layout(h, hc, bq, q.dtype)
 
     def kv_tile(p, k):
         qi = common.zigzag(lax.rem(p, nq), nq)
-        first, last = _band(qi, bq, bk, window_size, nkt)
+        first, last = _band(qi, bq, bk, window_size, nkt, key_offset)
         return lax.div(p, nq), jnp.minimum(first + k, last)
 
     def q_map(p, c, k):
@@ -167,7 +170,7 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
         return lax.div(p, nq), c, common.zigzag(lax.rem(p, nq), nq), 0, 0
 
     kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, layout=layout, block_k=bk, group=group,
-                               window_size=window_size, scale=scale)
+                               window_size=window_size, scale=scale, key_offset=key_offset)
     lanes = min(common.LANES, bk)
     scratch = [pltpu.VMEM((*layout.view, lanes), jnp.float32), pltpu.VMEM((*layout.view, lanes), jnp.float32)]
     if not layout.token_major:
