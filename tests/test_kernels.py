@@ -60,6 +60,16 @@ def test_every_head_chunk_divisor_gives_the_same_loss(head_chunk, target="joint"
     np.testing.assert_allclose(out["grad_pallas"], base["grad_pallas"], atol=1e-6 * np.abs(base["grad_pallas"]).max())
 
 
+@pytest.mark.parametrize("target, heads, head_chunk, cache", [("per_head", 8, 8, True), ("joint", 2, 1, False)])
+def test_causal_diagonal_tiles_of_two_chunks(target, heads, head_chunk, cache):
+    # block_k = 256 > 128: diagonal kv tiles compute only their visible 128-lane chunks (both widths occur, and the
+    # last tile holds padding blocks); token-major (8 heads per chunk) and head-major rows.
+    arrays = make_case(7, seq=600, heads=heads, head_dim=32, ratio=2)
+    cfg = TeacherConfig(block_q=32, block_k=256, head_chunk=head_chunk, cache_scores=cache,
+                        vmem_limit_bytes=32 << 20)
+    assert_matches(run_case(arrays, target=target, ratio=2, head_chunk=head_chunk, cfg=cfg))
+
+
 @pytest.mark.parametrize("reduction", ["mean_all", "sum", "none"])
 def test_reductions_and_scale(reduction):
     arrays = make_case(2, seq=96, heads=4, head_dim=32, num_docs=2)

@@ -141,10 +141,14 @@ class TileSchedule:
     ratio: int
     num_blocks: int
 
+    def last_block(self, qi):
+        """Causal schedule: the last block the last query of tile qi sees (-1: none)."""
+        return jnp.minimum(lax.div(qi * self.block_q + self.block_q, self.ratio) - 1, self.num_blocks - 1)
+
     def count(self, counts_ref, b, qi):
         if not self.causal:
             return counts_ref[b * self.nq + qi]
-        last_block = jnp.minimum(lax.div(qi * self.block_q + self.block_q, self.ratio) - 1, self.num_blocks - 1)
+        last_block = self.last_block(qi)
         return jnp.where(last_block >= 0, lax.div(jnp.maximum(last_block, 0), self.block_k) + 1, 0)
 
     def full(self, qi, tile):
@@ -154,6 +158,12 @@ class TileSchedule:
             return False
         last_block = tile * self.block_k + self.block_k - 1
         return ((last_block + 1) * self.ratio - 1 <= qi * self.block_q) & (last_block < self.num_blocks)
+
+    def visible_width(self, qi, tile, chunk: int):
+        """Causal schedule: lanes of kv tile `tile` holding a block some query of tile qi sees, rounded up to
+        `chunk` (a divisor of block_k). Chunks past it are invisible to the whole query tile (and padding)."""
+        seen = jnp.clip(self.last_block(qi) + 1 - tile * self.block_k, 1, self.block_k)
+        return lax.div(seen + chunk - 1, chunk) * chunk
 
     def first(self, firsts_ref, b, qi):
         return 0 if self.causal else firsts_ref[b * self.nq + qi]

@@ -166,30 +166,47 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             f = layout.block_to_column(lse_ref[...].astype(jnp.float32))
             f_ref[...] = jnp.where(jnp.isfinite(f), f, 0.0)
 
-    def scores(masked: bool):
+    # Causal diagonal tiles are computed only up to the last 128-lane chunk the query tile can see: chunks past
+    # it would be all -inf (at bk = 256, m = 4, bq = 64 this skips 1/10 of the matmul work).
+    chunk = common.LANES if schedule.causal and bk > common.LANES else bk
+
+    def scores(masked: bool, width: int):
+        """Scaled scores of the step's rows against the first `width` blocks of the kv tile: f32 [*view, width]."""
         rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
-        z = lax.dot_general(rows, kv_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        z = (z * scale).reshape(*layout.view, bk)
+        kv = kv_ref[...] if width == bk else kv_ref[:width, :]
+        z = lax.dot_general(rows, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        z = (z * scale).reshape(*layout.view, width)
         if not masked:
             return z
-        visible = (kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (kmeta_ref[1:2, :] <= qmeta_ref[:, 1:2])  # [bq, bk]
+        visible = ((kmeta_ref[0:1, :width] == qmeta_ref[:, 0:1])
+                   & (kmeta_ref[1:2, :width] <= qmeta_ref[:, 1:2]))  # [bq, width]
         return jnp.where(layout.expand_mask(visible), z, -jnp.inf)
 
     def when_active(cond, body):
-        """Runs body(masked) under cond & active; tiles every query fully sees skip the mask (causal only)."""
-        if schedule.causal:
-            full = schedule.full(qi, tile)
-            pl.when(cond & active & full)(lambda: body(False))
-            pl.when(cond & active & jnp.logical_not(full))(lambda: body(True))
-        else:
-            pl.when(cond & active)(lambda: body(True))
+        """Runs body(masked, width) under cond & active. Causal schedule: tiles every query fully sees skip the
+        mask; the diagonal tile runs only its visible chunks."""
+        if not schedule.causal:
+            pl.when(cond & active)(functools.partial(body, True, bk))
+            return
+        full = schedule.full(qi, tile)
+        pl.when(cond & active & full)(functools.partial(body, False, bk))
+        partial = cond & active & jnp.logical_not(full)
+        if chunk == bk:
+            pl.when(partial)(functools.partial(body, True, bk))
+            return
+        width = schedule.visible_width(qi, tile, chunk)
+        for w in range(chunk, bk + 1, chunk):
+            pl.when(partial & (width == w))(functools.partial(body, True, w))
 
     if two_pass:
-        def pass1(masked):
-            z = scores(masked)
+        def pass1(masked, width):
+            z = scores(masked, width)
             common.online_lse_update(m_ref, l_ref, z, lanes)
             if cache_scores:
-                cache_ref[k] = z
+                if width == bk:
+                    cache_ref[k] = z
+                else:
+                    cache_ref[k, ..., :width] = z
 
         when_active(in_pass1, pass1)
 
@@ -200,19 +217,20 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 lse = common.logaddexp(layout.block_to_column(lse_ref[...].astype(jnp.float32)), lse)
             f_ref[...] = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
-    def pass2(masked):
-        z = cache_ref[k] if cache_scores else scores(masked)
-        probs = jnp.sum(jnp.exp(z - f_ref[...]), axis=layout.head_axis)  # [bq, bk], summed over the chunk
+    def pass2(masked, width):
+        if cache_scores:
+            z = cache_ref[k] if width == bk else cache_ref[k, ..., :width]
+        else:
+            z = scores(masked, width)
+        probs = jnp.sum(jnp.exp(z - f_ref[...]), axis=layout.head_axis)  # [bq, width], summed over the chunk
         if bk == out_ref.shape[-1]:
-            out_ref[...] += probs
+            out_ref[:, :width] += probs
         else:
             start = pl.multiple_of(tile * bk, 128)
-            out_ref[:, pl.ds(start, bk)] += probs
+            out_ref[:, pl.ds(start, width)] += probs
 
-    if cache_scores:  # the cached scores are already masked
-        pl.when(jnp.logical_not(in_pass1) & active)(lambda: pass2(True))
-    else:
-        when_active(jnp.logical_not(in_pass1), pass2)
+    # Cached scores are already masked; the chunks past the visible width were never written (nor are they read).
+    when_active(jnp.logical_not(in_pass1), pass2)
 
     if normalize:
         @pl.when((c == nh - 1) & (step == at.last_step))
