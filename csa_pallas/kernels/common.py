@@ -42,10 +42,25 @@ def sublane_multiple(dtype) -> int:
     return SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
+def index_div(x, d: int):
+    """x // d for an int32 index x >= 0 and a static d > 0. A shift when d is a power of two: lax.div is a signed
+    division, for which Mosaic adds sign fix-ups (a handful of scalar ops per call, in every grid step)."""
+    if d & (d - 1) == 0:
+        return lax.shift_right_logical(x, jnp.asarray(d.bit_length() - 1, jnp.int32))
+    return lax.div(x, d)
+
+
+def index_rem(x, d: int):
+    """x % d for an int32 index x >= 0 and a static d > 0 (a mask when d is a power of two)."""
+    if d & (d - 1) == 0:
+        return lax.bitwise_and(x, jnp.asarray(d - 1, jnp.int32))
+    return lax.rem(x, d)
+
+
 def zigzag(i, num_tiles: int):
     """Grid index -> query tile: 0, n-1, 1, n-2, ... so both TensorCores get equal causal work."""
-    half = lax.div(i, 2)
-    return jnp.where(lax.rem(i, 2) == 0, half, num_tiles - 1 - half)
+    half = index_div(i, 2)
+    return jnp.where(index_rem(i, 2) == 0, half, num_tiles - 1 - half)
 
 
 def query_meta(segment_ids, positions, padded_len: int):
@@ -143,13 +158,13 @@ class TileSchedule:
 
     def last_block(self, qi):
         """Causal schedule: the last block the last query of tile qi sees (-1: none)."""
-        return jnp.minimum(lax.div(qi * self.block_q + self.block_q, self.ratio) - 1, self.num_blocks - 1)
+        return jnp.minimum(index_div(qi * self.block_q + self.block_q, self.ratio) - 1, self.num_blocks - 1)
 
     def count(self, counts_ref, b, qi):
         if not self.causal:
             return counts_ref[b * self.nq + qi]
         last_block = self.last_block(qi)
-        return jnp.where(last_block >= 0, lax.div(jnp.maximum(last_block, 0), self.block_k) + 1, 0)
+        return jnp.where(last_block >= 0, index_div(jnp.maximum(last_block, 0), self.block_k) + 1, 0)
 
     def full(self, qi, tile):
         """True when every query of tile qi sees every block of kv tile `tile` (causal schedule only): the mask
@@ -163,7 +178,7 @@ class TileSchedule:
         """Causal schedule: lanes of kv tile `tile` holding a block some query of tile qi sees, rounded up to
         `chunk` (a divisor of block_k). Chunks past it are invisible to the whole query tile (and padding)."""
         seen = jnp.clip(self.last_block(qi) + 1 - tile * self.block_k, 1, self.block_k)
-        return lax.div(seen + chunk - 1, chunk) * chunk
+        return index_div(seen + chunk - 1, chunk) * chunk
 
     def first(self, firsts_ref, b, qi):
         return 0 if self.causal else firsts_ref[b * self.nq + qi]
@@ -204,20 +219,30 @@ def lane_chunks(x, lanes: int):
     return [x[..., j:j + lanes] for j in range(0, width, lanes)]
 
 
-def online_lse_update(m_ref, l_ref, z, lanes: int):
+def online_lse_update(m_ref, l_ref, z, lanes: int, first: bool = False):
     """Per-lane running max/sum update with the scores z [..., bk] (masked entries -inf).
 
     m_ref, l_ref: f32 [..., lanes]. Keeping the statistics per lane defers the cross-lane reduction to the end of
-    the pass (`finish_lse`) instead of paying it on every tile.
+    the pass (`finish_lse`) instead of paying it on every tile. first: the pass's first tile; the statistics are
+    written, not updated, so they need no initialisation (their old contents are ignored).
     """
     chunks = lane_chunks(z, lanes)
-    m_old = m_ref[...]
-    m_new = m_old
-    for c in chunks:
-        m_new = jnp.maximum(m_new, c)
-    acc = l_ref[...] * jnp.exp(m_old - m_new)
-    for c in chunks:
-        acc = acc + jnp.exp(c - m_new)
+    if first:
+        m_new = jnp.full(chunks[0].shape, STAT_FLOOR, jnp.float32)
+        for c in chunks:
+            m_new = jnp.maximum(m_new, c)
+        acc = None
+        for c in chunks:
+            e = jnp.exp(c - m_new)
+            acc = e if acc is None else acc + e
+    else:
+        m_old = m_ref[...]
+        m_new = m_old
+        for c in chunks:
+            m_new = jnp.maximum(m_new, c)
+        acc = l_ref[...] * jnp.exp(m_old - m_new)
+        for c in chunks:
+            acc = acc + jnp.exp(c - m_new)
     m_ref[...] = m_new
     l_ref[...] = acc
 
@@ -227,6 +252,15 @@ def finish_lse(m, l):
     row_max = jnp.max(m, axis=-1, keepdims=True)
     total = jnp.sum(l * jnp.exp(m - row_max), axis=-1, keepdims=True)
     return jnp.where(total > 0, row_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
+def finish_lse_finite(m, l):
+    """`finish_lse` for callers that only exponentiate against it: [..., lanes] -> [..., 1], and rows that saw
+    nothing get a finite, hugely negative value (about STAT_FLOOR) instead of -inf, so exp(z - lse) is 0 on their
+    -inf scores with no select. Rows that saw a score have total >= 1 and are unaffected by the floor."""
+    row_max = jnp.max(m, axis=-1, keepdims=True)
+    total = jnp.sum(l * jnp.exp(m - row_max), axis=-1, keepdims=True)
+    return row_max + jnp.log(jnp.maximum(total, F32_TINY))
 
 
 def tile_ranges(need):
@@ -319,13 +353,13 @@ def teacher_index_maps(*, nq: int, head_chunk: int, group: int, schedule: TileSc
     statistics blocks).
     """
     def decode(p, step, firsts_ref, counts_ref):
-        b = lax.div(p, nq)
-        qi = zigzag(lax.rem(p, nq), nq)
+        b = index_div(p, nq)
+        qi = zigzag(index_rem(p, nq), nq)
         return b, qi, schedule.tile(firsts_ref, counts_ref, b, qi, step_to_k(step))
 
     def q_map(p, c, step, firsts_ref, counts_ref):
         b, qi, _ = decode(p, step, firsts_ref, counts_ref)
-        return b, qi, lax.div(c * head_chunk, group), 0
+        return b, qi, index_div(c * head_chunk, group), 0
 
     def kv_map(p, c, step, firsts_ref, counts_ref):
         b, _, tile = decode(p, step, firsts_ref, counts_ref)
@@ -368,8 +402,8 @@ def teacher_step(schedule: TileSchedule, firsts_ref, counts_ref, *, two_pass: bo
 
     nq, nk = schedule.nq, schedule.nk
     p, c, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    b = lax.div(p, nq)
-    qi = zigzag(lax.rem(p, nq), nq)
+    b = index_div(p, nq)
+    qi = zigzag(index_rem(p, nq), nq)
     if two_pass:
         in_pass1 = step < nk
         k = jnp.where(in_pass1, step, step - nk)

@@ -93,7 +93,7 @@ def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks:
                   + common.SUBLANES * max(bk, 128) * 4 + bq * n_p * 4)
     if mode != "per_head":
         blocks += 2 * common.round_up(hc, 8) * max(bq, 128) * 4
-    # rows copy (head-major scratch, or the token-major reshape's materialised copy), per-lane max/sum, F column.
+    # rows copy (head-major scratch, or the token-major reshape's materialised copy), per-lane max/sum, F (lane-replicated).
     scratch = rows * head_dim * isz + 2 * rows * max(lanes, 128) * 4 + rows * 128 * 4
     if cfg.cache_scores:
         scratch += rows * n_p * 4
@@ -159,12 +159,9 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     def _():
         if not layout.token_major:
             common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
-        if two_pass:
-            m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        else:
+        if not two_pass:
             f = layout.block_to_column(lse_ref[...].astype(jnp.float32))
-            f_ref[...] = jnp.where(jnp.isfinite(f), f, 0.0)
+            f_ref[...] = jnp.broadcast_to(jnp.where(jnp.isfinite(f), f, 0.0), f_ref.shape)
 
     # Causal diagonal tiles are computed only up to the last 128-lane chunk the query tile can see: chunks past
     # it would be all -inf (at bk = 256, m = 4, bq = 64 this skips 1/10 of the matmul work).
@@ -199,38 +196,54 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             pl.when(partial & (width == w))(functools.partial(body, True, w))
 
     if two_pass:
-        def pass1(masked, width):
+        # The first visited tile writes the statistics (no initialisation pass over them); a query tile that
+        # visits none still gets them initialised, for a well-defined (unused) F.
+        @pl.when((step == 0) & jnp.logical_not(active))
+        def _():
+            m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+
+        def pass1(first, masked, width):
             z = scores(masked, width)
-            common.online_lse_update(m_ref, l_ref, z, lanes)
+            common.online_lse_update(m_ref, l_ref, z, lanes, first=first)
             if cache_scores:
                 if width == bk:
                     cache_ref[k] = z
                 else:
                     cache_ref[k, ..., :width] = z
 
-        when_active(in_pass1, pass1)
+        when_active(in_pass1 & (k == 0), functools.partial(pass1, True))
+        when_active(in_pass1 & (k > 0), functools.partial(pass1, False))
 
-        @pl.when(step == nk - 1)
-        def _():
-            lse = common.finish_lse(m_ref[...], l_ref[...])  # C: [*view, 1]
-            if mode == "joint":
-                lse = common.logaddexp(layout.block_to_column(lse_ref[...].astype(jnp.float32)), lse)
-            f_ref[...] = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    def finish_f():
+        """F from the pass-1 statistics, replicated over lanes: f32 [*view, 128], also stored in f_ref."""
+        lse = common.finish_lse_finite(m_ref[...], l_ref[...])  # C: [*view, 1], finite
+        if mode == "joint":
+            lse = common.logaddexp(layout.block_to_column(lse_ref[...].astype(jnp.float32)), lse)
+        f = jnp.broadcast_to(lse, f_ref.shape)
+        f_ref[...] = f
+        return f
 
-    def pass2(masked, width):
-        if cache_scores:
-            z = cache_ref[k] if width == bk else cache_ref[k, ..., :width]
-        else:
-            z = scores(masked, width)
-        probs = jnp.sum(jnp.exp(z - f_ref[...]), axis=layout.head_axis)  # [bq, width], summed over the chunk
-        if bk == out_ref.shape[-1]:
-            out_ref[:, :width] += probs
-        else:
-            start = pl.multiple_of(tile * bk, 128)
-            out_ref[:, pl.ds(start, width)] += probs
+    def pass2(first, masked, width):
+        z = (cache_ref[k] if width == bk else cache_ref[k, ..., :width]) if cache_scores else scores(masked, width)
+        # The first pass-2 step computes F itself: its cross-lane reductions (XLU-bound) then share a basic block
+        # with the matmul (uncached) or with the exponentials of the rows already finished (cached), and hide.
+        f = finish_f() if first else f_ref[...]
+        f = f[..., :lanes]
+        for j, z_lanes in enumerate(common.lane_chunks(z, lanes)):
+            probs = jnp.sum(jnp.exp(z_lanes - f), axis=layout.head_axis)  # [bq, lanes], summed over the chunk
+            if bk == out_ref.shape[-1]:
+                out_ref[:, j * lanes:(j + 1) * lanes] += probs
+            else:
+                start = pl.multiple_of(tile * bk + j * lanes, 128)
+                out_ref[:, pl.ds(start, lanes)] += probs
 
     # Cached scores are already masked; the chunks past the visible width were never written (nor are they read).
-    when_active(jnp.logical_not(in_pass1), pass2)
+    if not two_pass:
+        when_active(jnp.logical_not(in_pass1), functools.partial(pass2, False))
+    else:  # F is computed in the first pass-2 step (a query tile with no visited tile needs none)
+        when_active(jnp.logical_not(in_pass1) & (k == 0), functools.partial(pass2, True))
+        when_active(jnp.logical_not(in_pass1) & (k > 0), functools.partial(pass2, False))
 
     if normalize:
         @pl.when((c == nh - 1) & (step == at.last_step))
@@ -291,7 +304,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     scratch = [
         pltpu.VMEM((*layout.view, lanes), jnp.float32),
         pltpu.VMEM((*layout.view, lanes), jnp.float32),
-        pltpu.VMEM((*layout.view, 1), jnp.float32),
+        pltpu.VMEM((*layout.view, common.LANES), jnp.float32),  # F, replicated over lanes: no per-step broadcast
     ]
     if not layout.token_major:
         scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
