@@ -219,15 +219,16 @@ def lane_chunks(x, lanes: int):
     return [x[..., j:j + lanes] for j in range(0, width, lanes)]
 
 
-def online_lse_update(m_ref, l_ref, z, lanes: int, first: bool = False):
+def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=None):
     """Per-lane running max/sum update with the scores z [..., bk] (masked entries -inf).
 
     m_ref, l_ref: f32 [..., lanes]. Keeping the statistics per lane defers the cross-lane reduction to the end of
     the pass (`finish_lse`) instead of paying it on every tile. first: the pass's first tile; the statistics are
-    written, not updated, so they need no initialisation (their old contents are ignored).
+    written, not updated, so they need no initialisation (their old contents are ignored). seed: with first,
+    (max, sum) [..., lanes] statistics of extra terms to start from (e.g. the window LSE in joint mode).
     """
     chunks = lane_chunks(z, lanes)
-    if first:
+    if first and seed is None:
         m_new = jnp.full(chunks[0].shape, STAT_FLOOR, jnp.float32)
         for c in chunks:
             m_new = jnp.maximum(m_new, c)
@@ -236,11 +237,11 @@ def online_lse_update(m_ref, l_ref, z, lanes: int, first: bool = False):
             e = jnp.exp(c - m_new)
             acc = e if acc is None else acc + e
     else:
-        m_old = m_ref[...]
+        m_old, l_old = seed if first else (m_ref[...], l_ref[...])
         m_new = m_old
         for c in chunks:
             m_new = jnp.maximum(m_new, c)
-        acc = l_ref[...] * jnp.exp(m_old - m_new)
+        acc = l_old * jnp.exp(m_old - m_new)
         for c in chunks:
             acc = acc + jnp.exp(c - m_new)
     m_ref[...] = m_new

@@ -20,7 +20,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -44,8 +43,8 @@ def _fwd_kernel(firsts_ref, counts_ref, p_ref, i_ref, *refs, schedule, target_ma
     lanes = min(common.LANES, schedule.block_k)
     pid = pl.program_id(0)
     k = pl.program_id(1)
-    b = lax.div(pid, nq)
-    qi = common.zigzag(lax.rem(pid, nq), nq)
+    b = common.index_div(pid, nq)
+    qi = common.zigzag(common.index_rem(pid, nq), nq)
     count = schedule.count(counts_ref, b, qi)
 
     @pl.when(k == 0)
@@ -117,8 +116,8 @@ def kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, *, schedule:
     lanes = min(common.LANES, bk)
 
     def tile_map(pid, k, firsts_ref, counts_ref):
-        bb = lax.div(pid, nq)
-        qi = common.zigzag(lax.rem(pid, nq), nq)
+        bb = common.index_div(pid, nq)
+        qi = common.zigzag(common.index_rem(pid, nq), nq)
         return bb, qi, schedule.tile(firsts_ref, counts_ref, bb, qi, k)
 
     def p_map(pid, k, firsts_ref, counts_ref):
@@ -170,8 +169,8 @@ def _bwd_kernel(firsts_ref, counts_ref, p_ref, i_ref, *refs, schedule, target_ma
     nq, block_q = schedule.nq, schedule.block_q
     pid = pl.program_id(0)
     k = pl.program_id(1)
-    b = lax.div(pid, nq)
-    qi = lax.rem(pid, nq)
+    b = common.index_div(pid, nq)
+    qi = common.index_rem(pid, nq)
 
     @pl.when(k == 0)
     def _():
@@ -211,21 +210,21 @@ def kl_backward_pallas(target, logits, qmeta, kmeta, firsts, counts, rowstats, *
     nq, nk = schedule.nq, schedule.nk
 
     def in_map(pid, k, firsts_ref, counts_ref):
-        bb = lax.div(pid, nq)
-        qi = lax.rem(pid, nq)
+        bb = common.index_div(pid, nq)
+        qi = common.index_rem(pid, nq)
         return bb, qi, schedule.natural(firsts_ref, counts_ref, bb, qi, k)[0]
 
     def kmeta_map(pid, k, firsts_ref, counts_ref):
-        return lax.div(pid, nq), 0, k
+        return common.index_div(pid, nq), 0, k
 
     def row_map(pid, k, firsts_ref, counts_ref):
-        return lax.div(pid, nq), lax.rem(pid, nq), 0
+        return common.index_div(pid, nq), common.index_rem(pid, nq), 0
 
     def stats_map(pid, k, firsts_ref, counts_ref):
-        return lax.div(pid, nq), lax.rem(pid, nq), 0, 0
+        return common.index_div(pid, nq), common.index_rem(pid, nq), 0, 0
 
     def out_map(pid, k, firsts_ref, counts_ref):
-        return lax.div(pid, nq), lax.rem(pid, nq), k
+        return common.index_div(pid, nq), common.index_rem(pid, nq), k
 
     kernel = functools.partial(_bwd_kernel, schedule=schedule, target_mask=target_mask)
     vmem = 2 * (3 * bq * bk * 4 + bq * common.LANES * 4 + common.SUBLANES * max(bk, 128) * 4)

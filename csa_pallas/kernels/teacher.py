@@ -93,7 +93,7 @@ def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks:
                   + common.SUBLANES * max(bk, 128) * 4 + bq * n_p * 4)
     if mode != "per_head":
         blocks += 2 * common.round_up(hc, 8) * max(bq, 128) * 4
-    # rows copy (head-major scratch, or the token-major reshape's materialised copy), per-lane max/sum, F (lane-replicated).
+    # rows copy (head-major scratch, or the token-major reshape's materialised copy), per-lane max/sum, F (all lanes).
     scratch = rows * head_dim * isz + 2 * rows * max(lanes, 128) * 4 + rows * 128 * 4
     if cfg.cache_scores:
         scratch += rows * n_p * 4
@@ -143,7 +143,6 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         lse_ref, out_ref, m_ref, l_ref, f_ref, *extra = refs
     rows_ref = None if layout.token_major else extra.pop(0)
     cache_ref = extra[0] if cache_scores else None
-    nk = schedule.nk
     bq, bk, hc = layout.block_q, schedule.block_k, layout.head_chunk
     lanes = min(common.LANES, bk)
     two_pass = mode != "full_lse"
@@ -203,9 +202,18 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
 
+        def joint_seed():
+            """Joint mode: the window LSE u enters lane 0 of the statistics as one more term, so F = LSE(u, C)
+            needs no logaddexp after the pass (and this work shares the MXU-bound first step)."""
+            u = layout.block_to_column(lse_ref[...].astype(jnp.float32))  # [*view, 1], -inf: no window term
+            lane0 = lax.broadcasted_iota(jnp.int32, (*layout.view, lanes), 2) == 0
+            seen = lane0 & (u > common.STAT_FLOOR)
+            return (jnp.where(seen, u, common.STAT_FLOOR), jnp.where(seen, 1.0, 0.0))
+
         def pass1(first, masked, width):
             z = scores(masked, width)
-            common.online_lse_update(m_ref, l_ref, z, lanes, first=first)
+            seed = joint_seed() if first and mode == "joint" else None
+            common.online_lse_update(m_ref, l_ref, z, lanes, first=first, seed=seed)
             if cache_scores:
                 if width == bk:
                     cache_ref[k] = z
@@ -217,9 +225,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
 
     def finish_f():
         """F from the pass-1 statistics, replicated over lanes: f32 [*view, 128], also stored in f_ref."""
-        lse = common.finish_lse_finite(m_ref[...], l_ref[...])  # C: [*view, 1], finite
-        if mode == "joint":
-            lse = common.logaddexp(layout.block_to_column(lse_ref[...].astype(jnp.float32)), lse)
+        lse = common.finish_lse_finite(m_ref[...], l_ref[...])  # [*view, 1], finite (joint: u included)
         f = jnp.broadcast_to(lse, f_ref.shape)
         f_ref[...] = f
         return f

@@ -94,7 +94,7 @@ def _kernel(q_ref, kv_ref, qmeta_ref, kmeta_ref, out_ref, m_ref, l_ref, *rows, n
     p = pl.program_id(0)
     c = pl.program_id(1)
     k = pl.program_id(2)
-    qi = common.zigzag(lax.rem(p, nq), nq)
+    qi = common.zigzag(common.index_rem(p, nq), nq)
     first, last = _band(qi, bq, bk, window_size, num_kv_tiles, key_offset)
 
     @pl.when(k == 0)
@@ -148,12 +148,13 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
     layout = common.row_layout(h, hc, bq, q.dtype)
 
     def kv_tile(p, k):
-        qi = common.zigzag(lax.rem(p, nq), nq)
+        qi = common.zigzag(common.index_rem(p, nq), nq)
         first, last = _band(qi, bq, bk, window_size, nkt, key_offset)
-        return lax.div(p, nq), jnp.minimum(first + k, last)
+        return common.index_div(p, nq), jnp.minimum(first + k, last)
 
     def q_map(p, c, k):
-        return lax.div(p, nq), common.zigzag(lax.rem(p, nq), nq), lax.div(c * hc, group), 0
+        qi = common.zigzag(common.index_rem(p, nq), nq)
+        return common.index_div(p, nq), qi, common.index_div(c * hc, group), 0
 
     def kv_map(p, c, k):
         bb, tile = kv_tile(p, k)
@@ -164,10 +165,10 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
         return bb, 0, tile
 
     def qmeta_map(p, c, k):
-        return lax.div(p, nq), common.zigzag(lax.rem(p, nq), nq), 0
+        return common.index_div(p, nq), common.zigzag(common.index_rem(p, nq), nq), 0
 
     def out_map(p, c, k):
-        return lax.div(p, nq), c, common.zigzag(lax.rem(p, nq), nq), 0, 0
+        return common.index_div(p, nq), c, common.zigzag(common.index_rem(p, nq), nq), 0, 0
 
     kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, layout=layout, block_k=bk, group=group,
                                window_size=window_size, scale=scale, key_offset=key_offset)
