@@ -174,8 +174,13 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         z = (z * scale).reshape(*layout.view, width)
         if not masked:
             return z
-        visible = ((kmeta_ref[0:1, :width] == qmeta_ref[:, 0:1])
-                   & (kmeta_ref[1:2, :width] <= qmeta_ref[:, 1:2]))  # [bq, width]
+        if schedule.causal:  # default ids: query t sees block j once it is complete, (j + 1) * m - 1 <= t
+            t = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, width), 0)
+            j = tile * bk + lax.broadcasted_iota(jnp.int32, (bq, width), 1)
+            visible = ((j + 1) * schedule.ratio - 1 <= t) & (j < schedule.num_blocks)
+        else:
+            visible = ((kmeta_ref[0:1, :width] == qmeta_ref[:, 0:1])
+                       & (kmeta_ref[1:2, :width] <= qmeta_ref[:, 1:2]))  # [bq, width]
         return jnp.where(layout.expand_mask(visible), z, -jnp.inf)
 
     def when_active(cond, body):
@@ -302,6 +307,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         pl.BlockSpec((None, bq, common.LANES), maps["row"]),
         pl.BlockSpec((None, common.SUBLANES, bk), maps["kmeta"]),
     ]
+    if schedule.causal:  # the kernel masks from iota positions: no metadata blocks to copy in every step
+        in_specs[2:4] = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
     operands = [q, kv, qmeta, kmeta]
     if mode != "per_head":
         in_specs.append(pl.BlockSpec((None, None, None, *layout.view), maps["lse"]))
