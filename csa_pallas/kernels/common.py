@@ -219,14 +219,16 @@ def lane_chunks(x, lanes: int):
     return [x[..., j:j + lanes] for j in range(0, width, lanes)]
 
 
-def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=None):
+def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=None, base2: bool = False):
     """Per-lane running max/sum update with the scores z [..., bk] (masked entries -inf).
 
     m_ref, l_ref: f32 [..., lanes]. Keeping the statistics per lane defers the cross-lane reduction to the end of
     the pass (`finish_lse`) instead of paying it on every tile. first: the pass's first tile; the statistics are
     written, not updated, so they need no initialisation (their old contents are ignored). seed: with first,
-    (max, sum) [..., lanes] statistics of extra terms to start from (e.g. the window LSE in joint mode).
+    (max, sum) [..., lanes] statistics of extra terms to start from (e.g. the window LSE in joint mode). base2:
+    z holds scores times log2(e) and the sums use exp2 (the hardware exponential: no multiply per element).
     """
+    exp = jnp.exp2 if base2 else jnp.exp
     chunks = lane_chunks(z, lanes)
     if first and seed is None:
         m_new = jnp.full(chunks[0].shape, STAT_FLOOR, jnp.float32)
@@ -234,16 +236,16 @@ def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=
             m_new = jnp.maximum(m_new, c)
         acc = None
         for c in chunks:
-            e = jnp.exp(c - m_new)
+            e = exp(c - m_new)
             acc = e if acc is None else acc + e
     else:
         m_old, l_old = seed if first else (m_ref[...], l_ref[...])
         m_new = m_old
         for c in chunks:
             m_new = jnp.maximum(m_new, c)
-        acc = l_old * jnp.exp(m_old - m_new)
+        acc = l_old * exp(m_old - m_new)
         for c in chunks:
-            acc = acc + jnp.exp(c - m_new)
+            acc = acc + exp(c - m_new)
     m_ref[...] = m_new
     l_ref[...] = acc
 
@@ -255,13 +257,15 @@ def finish_lse(m, l):
     return jnp.where(total > 0, row_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
 
 
-def finish_lse_finite(m, l):
+def finish_lse_finite(m, l, *, base2: bool = False):
     """`finish_lse` for callers that only exponentiate against it: [..., lanes] -> [..., 1], and rows that saw
     nothing get a finite, hugely negative value (about STAT_FLOOR) instead of -inf, so exp(z - lse) is 0 on their
-    -inf scores with no select. Rows that saw a score have total >= 1 and are unaffected by the floor."""
+    -inf scores with no select. Rows that saw a score have total >= 1 and are unaffected by the floor. base2: the
+    statistics of `online_lse_update(..., base2=True)`; returns log2-sum-exp2."""
+    exp, log = (jnp.exp2, jnp.log2) if base2 else (jnp.exp, jnp.log)
     row_max = jnp.max(m, axis=-1, keepdims=True)
-    total = jnp.sum(l * jnp.exp(m - row_max), axis=-1, keepdims=True)
-    return row_max + jnp.log(jnp.maximum(total, F32_TINY))
+    total = jnp.sum(l * exp(m - row_max), axis=-1, keepdims=True)
+    return row_max + log(jnp.maximum(total, F32_TINY))
 
 
 def tile_ranges(need):

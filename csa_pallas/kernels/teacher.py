@@ -10,7 +10,9 @@ Grid (B*nq "parallel", H/hc "arbitrary", passes*nk "arbitrary"):
     masked scores pass 1 left in VMEM instead of a second matmul.
 
 Per step the hc heads of bq queries form R = hc*bq rows [R, D] (head-major) against one kv tile [bk, D]: one MXU
-call, f32 accumulation. Running max/sum are kept per lane ([hc, bq, 128]) and reduced across lanes once per pass.
+call, f32 accumulation (with the causal schedule, a diagonal kv tile only up to its last visible 128-lane chunk).
+Scores are kept in base 2 (times log2 e, exp2). Running max/sum are kept per lane ([hc, bq, 128]); the first
+pass-2 step reduces them across lanes into F, held replicated over lanes ([*view, 128]) for the later steps.
 The head-summed probabilities accumulate in the resident output block [bq, N_p] (f32); after the last head chunk
 the block is L1-normalised in place. No [B, H, S, N] tensor ever exists, in HBM or VMEM.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -31,6 +34,8 @@ from csa_pallas.kernels import common
 
 MODES = ("per_head", "joint", "full_lse")
 MiB = 1 << 20
+# Scores are kept in base 2 inside the kernel (z * log2 e, exp2): exp(x) lowers to exp2(x * log2 e) anyway.
+LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +164,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         if not layout.token_major:
             common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
         if not two_pass:
-            f = layout.block_to_column(lse_ref[...].astype(jnp.float32))
+            f = layout.block_to_column(lse_ref[...].astype(jnp.float32)) * LOG2E
             f_ref[...] = jnp.broadcast_to(jnp.where(jnp.isfinite(f), f, 0.0), f_ref.shape)
 
     # Causal diagonal tiles are computed only up to the last 128-lane chunk the query tile can see: chunks past
@@ -167,11 +172,12 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     chunk = common.LANES if schedule.causal and bk > common.LANES else bk
 
     def scores(masked: bool, width: int):
-        """Scaled scores of the step's rows against the first `width` blocks of the kv tile: f32 [*view, width]."""
+        """Scaled scores (base 2: times log2 e) of the step's rows against the first `width` blocks of the kv
+        tile: f32 [*view, width]."""
         rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
         kv = kv_ref[...] if width == bk else kv_ref[:width, :]
         z = lax.dot_general(rows, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        z = (z * scale).reshape(*layout.view, width)
+        z = (z * (scale * LOG2E)).reshape(*layout.view, width)
         if not masked:
             return z
         if schedule.causal:  # default ids: query t sees block j once it is complete, (j + 1) * m - 1 <= t
@@ -210,7 +216,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         def joint_seed():
             """Joint mode: the window LSE u enters lane 0 of the statistics as one more term, so F = LSE(u, C)
             needs no logaddexp after the pass (and this work shares the MXU-bound first step)."""
-            u = layout.block_to_column(lse_ref[...].astype(jnp.float32))  # [*view, 1], -inf: no window term
+            u = layout.block_to_column(lse_ref[...].astype(jnp.float32)) * LOG2E  # [*view, 1], base 2
             lane0 = lax.broadcasted_iota(jnp.int32, (*layout.view, lanes), 2) == 0
             seen = lane0 & (u > common.STAT_FLOOR)
             return (jnp.where(seen, u, common.STAT_FLOOR), jnp.where(seen, 1.0, 0.0))
@@ -218,7 +224,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         def pass1(first, masked, width):
             z = scores(masked, width)
             seed = joint_seed() if first and mode == "joint" else None
-            common.online_lse_update(m_ref, l_ref, z, lanes, first=first, seed=seed)
+            common.online_lse_update(m_ref, l_ref, z, lanes, first=first, seed=seed, base2=True)
             if cache_scores:
                 if width == bk:
                     cache_ref[k] = z
@@ -229,8 +235,8 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         when_active(in_pass1 & (k > 0), functools.partial(pass1, False))
 
     def finish_f():
-        """F from the pass-1 statistics, replicated over lanes: f32 [*view, 128], also stored in f_ref."""
-        lse = common.finish_lse_finite(m_ref[...], l_ref[...])  # [*view, 1], finite (joint: u included)
+        """F (base 2) from the pass-1 statistics, replicated over lanes: f32 [*view, 128], also stored in f_ref."""
+        lse = common.finish_lse_finite(m_ref[...], l_ref[...], base2=True)  # [*view, 1], finite (joint: u included)
         f = jnp.broadcast_to(lse, f_ref.shape)
         f_ref[...] = f
         return f
@@ -242,7 +248,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         f = finish_f() if first else f_ref[...]
         f = f[..., :lanes]
         for j, z_lanes in enumerate(common.lane_chunks(z, lanes)):
-            probs = jnp.sum(jnp.exp(z_lanes - f), axis=layout.head_axis)  # [bq, lanes], summed over the chunk
+            probs = jnp.sum(jnp.exp2(z_lanes - f), axis=layout.head_axis)  # [bq, lanes], summed over the chunk
             if bk == out_ref.shape[-1]:
                 out_ref[:, j * lanes:(j + 1) * lanes] += probs
             else:
