@@ -191,16 +191,12 @@ def _local_window_lse(local: dict, problem: Problem, axes: MeshAxes, num_seq_sha
             q, kv, sinks=local.get("sinks"), window_size=problem.window_size, softmax_scale=problem.softmax_scale,
             head_chunk=problem.head_chunk, implementation="pallas", **{**_NO_IDS, **kw})
         return ops.noncompressed_lse(window)
-    kv = jnp.concatenate([_halo(kv, axes, num_seq_shards, halo), kv], axis=1)
-    kv_seg = jnp.concatenate([_halo(ids["kv_local_segment_ids"], axes, num_seq_shards, halo),
-                              ids["kv_local_segment_ids"]], axis=1)
-    kv_pos = jnp.concatenate([_halo(ids["kv_local_positions"], axes, num_seq_shards, halo),
-                              ids["kv_local_positions"]], axis=1)
-    real = jnp.ones(kv_seg.shape[:1] + (kv_seg.shape[1] - halo,), bool)
-    key_valid = jnp.concatenate([_halo(real, axes, num_seq_shards, halo, fill=False), real], axis=1)
+    with_halo = lambda x, fill=0: jnp.concatenate([_halo(x, axes, num_seq_shards, halo, fill), x], axis=1)
+    kv_seg, kv_pos = ids["kv_local_segment_ids"], ids["kv_local_positions"]
+    key_valid = with_halo(jnp.ones(kv_seg.shape, bool), fill=False)  # the first shard has no previous keys
     window = validation.validate_window_args(
-        q, kv, sinks=local.get("sinks"), segment_ids=ids["segment_ids"], positions=ids["positions"],
-        kv_segment_ids=kv_seg, kv_positions=kv_pos, window_size=problem.window_size,
+        q, with_halo(kv), sinks=local.get("sinks"), segment_ids=ids["segment_ids"], positions=ids["positions"],
+        kv_segment_ids=with_halo(kv_seg), kv_positions=with_halo(kv_pos), window_size=problem.window_size,
         softmax_scale=problem.softmax_scale, head_chunk=problem.head_chunk, implementation="pallas")
     return ops.noncompressed_lse(window, key_offset=halo, key_valid=key_valid)
 
