@@ -212,3 +212,17 @@ def test_batch_must_divide_over_the_batch_axes():
     with pytest.raises(ValueError, match="batch_axes: the batch B=2 must be a multiple of the number of batch shards 8"):
         sharding.sharded_indexer_distill_loss(mesh, logits, arrays["q"], arrays["compressed_kv"], batch_axes="data",
                                               **teacher)
+
+
+def test_mesh_axes_the_loss_does_not_use_replicate_without_double_counting():
+    # e.g. MaxText's 'stage'/'expert' axes: every device along them computes the same rows; the logits' gradient must
+    # not be summed over them.
+    axes = {"data": 2, "extra": 4}
+    mesh = mesh_of(axes)
+    logits, arrays, teacher = inputs(9, sparse=False, target="per_head", packed=True)
+    loss = lambda x: sharding.sharded_indexer_distill_loss(mesh, x, arrays["q"], arrays["compressed_kv"],
+                                                           batch_axes="data", **teacher)
+    value, grad = jax.jit(jax.value_and_grad(loss))(logits)
+    ref_value, ref_grad, _ = reference_results(logits, arrays, teacher)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), atol=1e-5 * float(jnp.max(jnp.abs(ref_grad))))
