@@ -29,12 +29,13 @@ intersected with the range [min, max] of the tile's in-range indices), reduced t
 The multiplicity is K int32 compares per (query, block), more VPU work than the matmul's MXU work at the Flash
 shape, so it is laid out for the VPU: the [bq, K_p] index block is transposed once per query tile into
 [K_p/fold, fold*bq] (blocks on sublanes, queries on all 128 lanes; `slot_fold`), so each slot row is one loaded
-row broadcast over sublanes (no cross-lane permutes) compared with the tile's block ids; the [bk, 128] counts are
-transposed back once per tile. Query tiles that do not fold into 128 lanes use a row-major loop instead. The
-weights log(mult) are computed once per (query tile, kv tile) in pass 1, in the same basic block as the matmul
-(their VPU work overlaps the MXU), and kept in a VMEM cache [nk, bq, bk] for pass 2 and the other head chunks
-(when <= 8 MiB). When they fit in VMEM (`cache_scores`), pass 1 also keeps the masked scores z + log(mult) so
-pass 2 needs no second matmul; it divides the head sum by mult again.
+row broadcast over sublanes (no cross-lane permutes), and two 16-bit counters share each int32 word (half the
+compare/select/add lanes); the [bk, 128] counts are transposed back once per tile. Query tiles that do not fold
+into 128 lanes use a row-major loop instead. The weights log(mult) are computed once per (query tile, kv tile),
+unrolled in pass 1's basic block (the LLO scheduler overlaps part of them with the matmul), and kept in a VMEM
+cache [nk, bq, bk] for pass 2 and the other head chunks (when <= 8 MiB). When they fit in VMEM (`cache_scores`),
+pass 1 also keeps the masked scores z + log(mult) so pass 2 needs no second matmul; it divides the head sum by
+mult again.
 
 Output: f32 [B, S_p, K_p] in slot order, rows L1-normalised over their valid slots, and -1.0 on empty slots: the
 sentinel carries V(t) to the KL kernels (`kl.py`, target_mask=True) without a separate [B, S, K] mask array.
@@ -127,14 +128,24 @@ def _multiplicity_transposed(idx_t_ref, base, *, block_q: int, block_k: int, fol
     """int32 [bq, bk] like `_multiplicity`, from the transposed index block idx_t_ref [K_p/fold, fold*bq].
 
     Blocks on sublanes, queries on lanes: each slot row is a sublane broadcast of one loaded row (no cross-lane
-    permutes), then the [bk, fold*bq] counts are transposed once and the fold groups summed."""
+    permutes). Two 16-bit counters share an int32 word, block w (low half) and block w + bk/2 (high half): each
+    slot row then costs bk/2 compare/select/add lanes instead of bk (a count is at most K_p < 2^16, so the low
+    counter never carries into the high one). A slot's word in the tile (-1: not in the tile) and its increment
+    (1 or 1 << 16) are computed on its single loaded row and broadcast. The [bk, fold*bq] counts are transposed
+    once and the fold groups summed."""
     rows, lanes = idx_t_ref.shape
-    block = lax.broadcasted_iota(jnp.int32, (block_k, lanes), 0) + base
+    half = block_k // 2
+    word = lax.broadcasted_iota(jnp.int32, (half, lanes), 0)
 
     def body(r, acc):
-        return acc + (jnp.broadcast_to(idx_t_ref[pl.ds(r, 1), :], (block_k, lanes)) == block).astype(jnp.int32)
+        local = idx_t_ref[pl.ds(r, 1), :] - base  # [1, lanes]: one vreg of work, shared by the bk/2 words
+        upper = local >= half
+        key = jnp.where((local >= 0) & (local < block_k), jnp.where(upper, local - half, local), -1)
+        step = jnp.where(upper, 1 << 16, 1)
+        return acc + jnp.where(jnp.broadcast_to(key, (half, lanes)) == word, jnp.broadcast_to(step, (half, lanes)), 0)
 
-    counts = lax.fori_loop(0, rows, body, jnp.zeros((block_k, lanes), jnp.int32), unroll=True).T  # [fold*bq, bk]
+    packed = lax.fori_loop(0, rows, body, jnp.zeros((half, lanes), jnp.int32), unroll=True)
+    counts = jnp.concatenate([packed & 0xFFFF, lax.shift_right_logical(packed, 16)], axis=0).T  # [fold*bq, bk]
     mult = counts[:block_q]
     for f in range(1, fold):
         mult = mult + counts[f * block_q:(f + 1) * block_q]
@@ -340,7 +351,7 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
         scratch.append(pltpu.VMEM((nk, bq, bk), jnp.float32))
     if cache_scores:
         scratch.append(pltpu.VMEM((nk, *layout.view, bk), jnp.float32))
-    fold = slot_fold(bq)
+    fold = slot_fold(bq) if k_p < 1 << 16 else 0  # 16-bit counters
     if fold:
         scratch.append(pltpu.VMEM((k_p // fold, fold * bq), jnp.int32))
     kernel = functools.partial(_kernel, mode=mode, schedule=schedule, nh=nh, layout=layout, group=group,
