@@ -29,8 +29,8 @@ intersected with the range [min, max] of the tile's in-range indices), reduced t
 The multiplicity is K int32 compares per (query, block), more VPU work than the matmul's MXU work at the Flash
 shape, so it is laid out for the VPU: the [bq, K_p] index block is transposed once per query tile into
 [K_p/fold, fold*bq] (blocks on sublanes, queries on all 128 lanes; `slot_fold`), so each slot row is one loaded
-row broadcast over sublanes (no cross-lane permutes), and two 16-bit counters share each int32 word (half the
-compare/select/add lanes); the [bk, 128] counts are transposed back once per tile. Query tiles that do not fold
+row broadcast over sublanes (no cross-lane permutes), and four 8-bit counters share each int32 word (a quarter of
+the compare/select/add lanes); the [bk, 128] counts are transposed back once per tile. Query tiles that do not fold
 into 128 lanes use a row-major loop instead. The weights log(mult) are computed once per (query tile, kv tile),
 unrolled in pass 1's basic block (the LLO scheduler overlaps part of them with the matmul), and kept in a VMEM
 cache [nk, bq, bk] for pass 2 and the other head chunks (when <= 8 MiB). When they fit in VMEM (`cache_scores`),
@@ -124,28 +124,47 @@ def transpose_slots(idx, fold: int):
     return folded.T
 
 
+# Multiplicity counters packed into one int32 word: COUNTER_FIELDS fields of COUNTER_BITS bits each.
+COUNTER_FIELDS, COUNTER_BITS = 4, 8
+COUNTER_MAX = (1 << COUNTER_BITS) - 1
+
+
 def _multiplicity_transposed(idx_t_ref, base, *, block_q: int, block_k: int, fold: int):
     """int32 [bq, bk] like `_multiplicity`, from the transposed index block idx_t_ref [K_p/fold, fold*bq].
 
     Blocks on sublanes, queries on lanes: each slot row is a sublane broadcast of one loaded row (no cross-lane
-    permutes). Two 16-bit counters share an int32 word, block w (low half) and block w + bk/2 (high half): each
-    slot row then costs bk/2 compare/select/add lanes instead of bk (a count is at most K_p < 2^16, so the low
-    counter never carries into the high one). A slot's word in the tile (-1: not in the tile) and its increment
-    (1 or 1 << 16) are computed on its single loaded row and broadcast. The [bk, fold*bq] counts are transposed
-    once and the fold groups summed."""
+    permutes). Four 8-bit counters share an int32 word (block f * bk/4 + w in field f of word w), so each slot row
+    costs bk/4 compare/select/add lanes instead of bk. A slot's word in the tile (-1: not in the tile) and its
+    increment (1 << 8f) are computed on its single loaded row and broadcast. The slot rows are summed in runs of
+    at most 255 rows, so no counter can carry into the next field, and the runs' unpacked counts are added. The
+    [bk, fold*bq] counts are transposed once and the fold groups summed."""
     rows, lanes = idx_t_ref.shape
-    half = block_k // 2
-    word = lax.broadcasted_iota(jnp.int32, (half, lanes), 0)
+    words = block_k // COUNTER_FIELDS
+    word = lax.broadcasted_iota(jnp.int32, (words, lanes), 0)
 
     def body(r, acc):
-        local = idx_t_ref[pl.ds(r, 1), :] - base  # [1, lanes]: one vreg of work, shared by the bk/2 words
-        upper = local >= half
-        key = jnp.where((local >= 0) & (local < block_k), jnp.where(upper, local - half, local), -1)
-        step = jnp.where(upper, 1 << 16, 1)
-        return acc + jnp.where(jnp.broadcast_to(key, (half, lanes)) == word, jnp.broadcast_to(step, (half, lanes)), 0)
+        local = idx_t_ref[pl.ds(r, 1), :] - base  # [1, lanes]: one vreg of work, shared by the bk/4 words
+        if words & (words - 1) == 0:  # power of two: shift and mask
+            field = lax.shift_right_arithmetic(local, words.bit_length() - 1)
+            position = local & (words - 1)
+        else:
+            field = sum((local >= f * words).astype(jnp.int32) for f in range(1, COUNTER_FIELDS))
+            position = local - field * words
+        key = jnp.where((local >= 0) & (local < block_k), position, -1)
+        step = jnp.left_shift(jnp.int32(1), field * COUNTER_BITS)
+        return acc + jnp.where(jnp.broadcast_to(key, (words, lanes)) == word, jnp.broadcast_to(step, (words, lanes)),
+                               0)
 
-    packed = lax.fori_loop(0, rows, body, jnp.zeros((half, lanes), jnp.int32), unroll=True)
-    counts = jnp.concatenate([packed & 0xFFFF, lax.shift_right_logical(packed, 16)], axis=0).T  # [fold*bq, bk]
+    runs = -(-rows // COUNTER_MAX)
+    run = -(-rows // runs)
+    counts = None
+    for start in range(0, rows, run):
+        packed = lax.fori_loop(start, min(start + run, rows), body, jnp.zeros((words, lanes), jnp.int32),
+                               unroll=True)
+        fields = [lax.shift_right_logical(packed, f * COUNTER_BITS) & COUNTER_MAX for f in range(COUNTER_FIELDS)]
+        unpacked = jnp.concatenate(fields, axis=0)  # [bk, lanes]
+        counts = unpacked if counts is None else counts + unpacked
+    counts = counts.T  # [fold*bq, bk]
     mult = counts[:block_q]
     for f in range(1, fold):
         mult = mult + counts[f * block_q:(f + 1) * block_q]
@@ -351,7 +370,7 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
         scratch.append(pltpu.VMEM((nk, bq, bk), jnp.float32))
     if cache_scores:
         scratch.append(pltpu.VMEM((nk, *layout.view, bk), jnp.float32))
-    fold = slot_fold(bq) if k_p < 1 << 16 else 0  # 16-bit counters
+    fold = slot_fold(bq) if bk % (COUNTER_FIELDS * common.SUBLANES) == 0 else 0
     if fold:
         scratch.append(pltpu.VMEM((k_p // fold, fold * bq), jnp.int32))
     kernel = functools.partial(_kernel, mode=mode, schedule=schedule, nh=nh, layout=layout, group=group,
