@@ -76,7 +76,7 @@ def sparse_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] 
     block_segment, block_end = reference.block_keys(problem)
     kmeta = common.key_meta(block_segment, block_end, n_p, masks.INVALID_BLOCK_END)
     tiles, counts = common.tile_ranges(_tile_need(problem, qmeta, kmeta, cfg, s_p, n_p))
-    schedule = common.TileSchedule(causal=False, nq=s_p // cfg.block_q, nk=n_p // cfg.block_k,
+    schedule = common.TileSchedule(causal=problem.default_ids, nq=s_p // cfg.block_q, nk=n_p // cfg.block_k,
                                    block_q=cfg.block_q, block_k=cfg.block_k, ratio=problem.compress_ratio,
                                    num_blocks=problem.num_blocks)
     return SparseLayout(cfg=cfg, schedule=schedule, qmeta=qmeta, kmeta=kmeta, tiles=tiles, counts=counts,
