@@ -252,8 +252,8 @@ def _local_target(local: dict, problem: Problem, axes: MeshAxes, num_seq_shards:
     path = ops_sparse if shard.sparse else ops
     layout = _layout(path, shard)
     if axes.heads is None:
-        return path._teacher_padded(shard, layout), layout, path, shard
-    head_sum = path._teacher_padded(shard, layout, normalize=False)[:, :shard.seq_len, :shard.width]
+        return path.teacher_padded(shard, layout), layout, path, shard
+    head_sum = path.teacher_padded(shard, layout, normalize=False)[:, :shard.seq_len, :shard.width]
     mine = lax.psum_scatter(head_sum, axes.heads, scatter_dimension=1, tiled=True)
     rows_problem = _kl_rows_problem(shard, axes, num_head_shards)
     kl_layout = _layout(path, rows_problem)
@@ -261,7 +261,7 @@ def _local_target(local: dict, problem: Problem, axes: MeshAxes, num_seq_shards:
         target, fill, width_p = sparse_teacher.normalize_slots(mine), sparse_teacher.EMPTY_SLOT, kl_layout.padded_width
     else:
         target, fill, width_p = teacher_kernel.normalize_rows(mine), 0.0, kl_layout.padded_blocks
-    target = ops._pad_axis(ops._pad_axis(target, 1, kl_layout.padded_seq, fill), 2, width_p, fill)
+    target = ops.pad_axis(ops.pad_axis(target, 1, kl_layout.padded_seq, fill), 2, width_p, fill)
     return jax.lax.stop_gradient(target), kl_layout, path, rows_problem
 
 
