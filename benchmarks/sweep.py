@@ -30,6 +30,13 @@ tiny (H=4 D=32 m=4 W=32 K=16, S 128/256; fwd+bwd only unless --passes; checks at
     python -m benchmarks.sweep --preset deepseek-v4-flash --quick
     python -m benchmarks.sweep --preset deepseek-v4-pro --seq 4096 32768 --mode dense --impl pallas
 
+--mesh data=2,heads=4 (repeatable) adds sharded rows: `csa_pallas.sharding.sharded_indexer_distill_loss` compiled
+for every chip of --mesh-topology (default v5p:2x2x2, 8 chips; per-device HBM) and, on a TPU slice with enough
+devices, timed. The global batch of a mesh row is the preset's batch times the data axis.
+
+    python -m benchmarks.sweep --preset deepseek-v4-flash --seq 4096 --impl pallas --target joint \
+        --head-chunk 16 --mesh data=2,heads=4 --mesh seq=8
+
 Outputs (under --out, default results/sweep/): sweep_<preset>.csv / .json (every row, with a `how` column),
 memory_<preset>.png (temp MiB vs S, one line per head chunk, Pallas solid vs XLA dashed) and, when measured,
 time_<preset>.png. The table on stdout can be read back with `parse_table`.
@@ -287,6 +294,122 @@ def model_flops(preset: Preset, cfg: Config) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Sharded configurations (--mesh): csa_pallas.sharding on a multi-chip topology
+# ----------------------------------------------------------------------------------------------------------------------
+
+MESH_AXES = ("data", "heads", "seq")  # data: batch_axes, heads: head_axis, seq: seq_axis
+
+
+def parse_mesh(text: str) -> dict:
+    """'data=2,heads=4' -> {'data': 2, 'heads': 4} (axis names from MESH_AXES, sizes >= 1)."""
+    axes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or not size.strip().isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh: expected comma-separated axis=size with axis in {MESH_AXES}, got {text!r}")
+        if name in axes:
+            raise ValueError(f"--mesh: axis {name!r} given twice in {text!r}")
+        axes[name] = int(size)
+    return axes
+
+
+def mesh_label(axes: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in axes.items())
+
+
+def mesh_batch(preset: Preset, axes: dict) -> int:
+    """Global batch of a sharded row: the preset's batch per data shard."""
+    return preset.batch * axes.get("data", 1)
+
+
+def mesh_specs(cfg: Config, axes: dict) -> dict:
+    from jax.sharding import PartitionSpec as P
+    b = ("data",) if "data" in axes else None
+    seq = "seq" if "seq" in axes else None
+    heads = "heads" if "heads" in axes else None
+    rows = P(b, seq, None)
+    return dict(logits=rows, q=P(b, seq, heads, None), compressed_kv=P(b, None, None), segment_ids=P(b, seq),
+                topk_indices=rows, window_kv=rows, sinks=P(heads))
+
+
+def mesh_arg_structs(preset: Preset, cfg: Config, mesh, axes: dict) -> list:
+    from jax.sharding import NamedSharding
+    batch = mesh_batch(preset, axes)
+    specs = mesh_specs(cfg, axes)
+    structs = arg_structs(dataclasses.replace(preset, batch=batch), cfg)
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, specs[name]))
+            for name, x in zip(arg_names(cfg), structs)]
+
+
+def mesh_program(preset: Preset, cfg: Config, which: str, mesh, axes: dict):
+    from csa_pallas import sharding
+    names = arg_names(cfg)
+
+    def loss(*vals):
+        a = dict(zip(names, vals))
+        return sharding.sharded_indexer_distill_loss(
+            mesh, a["logits"], a["q"], a["compressed_kv"], batch_axes=["data"] if "data" in axes else None,
+            head_axis="heads" if "heads" in axes else None, seq_axis="seq" if "seq" in axes else None,
+            segment_ids=a["segment_ids"], topk_indices=a.get("topk_indices"), window_kv=a.get("window_kv"),
+            sinks=a.get("sinks"), compress_ratio=preset.ratio, window_size=preset.window, target=cfg.target,
+            head_chunk=cfg.head_chunk, implementation=cfg.impl)
+    return loss if which == "fwd" else jax.value_and_grad(loss, argnums=0)
+
+
+def mesh_aot_row(preset: Preset, cfg: Config, which: str, topology: str, axes: dict, reason: Optional[str]) -> dict:
+    """Per-device HBM of the sharded program compiled for every chip of `topology`."""
+    from csa_pallas import aot
+    row = _new_row(preset, cfg, which, "aot", f"aot {topology} sharded, per-device memory_analysis")
+    row.mesh, row.batch = mesh_label(axes), mesh_batch(preset, axes)
+    row.program = "csa_pallas.sharding (shard_map)"
+    row.package_fingerprint = package_fingerprint()
+    if reason is not None:
+        row.status, row.error = "unsupported", reason
+        return dataclasses.asdict(row)
+    t0 = time.perf_counter()
+    try:
+        mesh = aot.tpu_mesh(topology, axes)
+        compiled = aot.compile_for_tpu(mesh_program(preset, cfg, which, mesh, axes),
+                                       *mesh_arg_structs(preset, cfg, mesh, axes), topology=topology)
+        rep = aot.memory_report(compiled)
+        row.argument_mib, row.output_mib = rep.argument_bytes / MiB, rep.output_bytes / MiB
+        row.temp_mib, row.peak_mib = rep.temp_bytes / MiB, rep.peak_bytes / MiB
+        row.status = "ok"
+    except Exception as e:  # noqa: BLE001 - every configuration gets a row
+        row.status, row.error = _error_status(e)
+    row.compile_s = time.perf_counter() - t0
+    return dataclasses.asdict(row)
+
+
+def mesh_wall_row(preset: Preset, cfg: Config, which: str, axes: dict, iters: int, peak_tflops: float,
+                  reason: Optional[str]) -> dict:
+    """Wall clock of the sharded program on the TPU slice this host drives (needs prod(axes) devices)."""
+    from jax.sharding import Mesh, NamedSharding
+    row = _new_row(preset, cfg, which, "wall", f"TPU wall clock {jax.devices()[0].device_kind} x{math.prod(axes.values())}")
+    row.mesh, row.batch = mesh_label(axes), mesh_batch(preset, axes)
+    row.package_fingerprint = package_fingerprint()
+    if reason is not None:
+        row.status, row.error = "unsupported", reason
+        return dataclasses.asdict(row)
+    try:
+        n = math.prod(axes.values())
+        if len(jax.devices()) < n:
+            raise NotImplementedError(f"mesh {mesh_label(axes)} needs {n} devices, this host has {len(jax.devices())}")
+        mesh = Mesh(np.array(jax.devices()[:n]).reshape(tuple(axes.values())), tuple(axes))
+        specs = mesh_specs(cfg, axes)
+        inputs = make_inputs(dataclasses.replace(preset, batch=mesh_batch(preset, axes)), cfg)
+        inputs = [jax.device_put(x, NamedSharding(mesh, specs[name])) for name, x in zip(arg_names(cfg), inputs)]
+        row.__dict__.update(time_on_tpu(mesh_program(preset, cfg, which, mesh, axes), inputs, max(10, iters)))
+        row.tflops = model_flops(preset, cfg) * axes.get("data", 1) / (row.median_ms * 1e-3) / 1e12
+        row.pct_peak = 100.0 * row.tflops / (peak_tflops * n)
+        row.status = "ok"
+    except Exception as e:  # noqa: BLE001
+        row.status, row.error = _error_status(e)
+    return dataclasses.asdict(row)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Rows
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -302,6 +425,8 @@ class Row:
     pass_: str
     measure: str  # aot / check / wall
     how: str
+    mesh: str = ""  # "data=2,heads=4": sharded rows (--mesh); "": one chip, unsharded
+    batch: Optional[int] = None
     status: str = "?"
     error: str = ""
     program: str = ""
@@ -350,7 +475,7 @@ def _error_status(e: BaseException):
 
 def _new_row(preset: Preset, cfg: Config, which: str, measure: str, how: str) -> Row:
     return Row(preset=preset.name, mode=cfg.mode, target=cfg.target, impl=cfg.impl, head_chunk=cfg.head_chunk,
-               seq=cfg.seq, pass_=which, measure=measure, how=how,
+               seq=cfg.seq, pass_=which, measure=measure, how=how, batch=preset.batch,
                program="csa_pallas (implementation='pallas')" if cfg.impl == "pallas" else xla_program_name(cfg))
 
 
@@ -415,15 +540,16 @@ def check_row(preset: Preset, cfg: Config, reason: Optional[str]) -> dict:
 
 
 def aot_row_isolated(preset: Preset, cfg: Config, which: str, topology: str, reason: Optional[str],
-                     timeout: float) -> dict:
+                     timeout: float, mesh: Optional[dict] = None) -> dict:
     """`aot_row` in a child interpreter (own process group, killed after `timeout` s): a compiler crash, host OOM or
     hang costs one row, not the sweep."""
     import signal
     import subprocess
 
     if reason is not None:
-        return aot_row(preset, cfg, which, topology, reason)
-    job = dict(preset=preset.name, cfg=dataclasses.asdict(cfg), which=which, topology=topology)
+        return aot_row(preset, cfg, which, topology, reason) if mesh is None else \
+            mesh_aot_row(preset, cfg, which, topology, mesh, reason)
+    job = dict(preset=preset.name, cfg=dataclasses.asdict(cfg), which=which, topology=topology, mesh=mesh)
     cmd = [sys.executable, "-m", "benchmarks.sweep", "--_worker", json.dumps(job)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -439,6 +565,8 @@ def aot_row_isolated(preset: Preset, cfg: Config, which: str, topology: str, rea
         if line.startswith("@@ROW "):
             return json.loads(line[len("@@ROW "):])
     row = _new_row(preset, cfg, which, "aot", f"aot {topology} memory_analysis")
+    if mesh is not None:
+        row.mesh, row.batch = mesh_label(mesh), mesh_batch(preset, mesh)
     tail = [ln for ln in err.splitlines() if ln.strip() and "WARNING" not in ln]
     row.status = "timeout" if timed_out else "error"
     row.error = (f"worker exited {proc.returncode}: " if proc.returncode and not timed_out else "") + (tail[-1][:300] if tail
@@ -450,7 +578,10 @@ def aot_row_isolated(preset: Preset, cfg: Config, which: str, topology: str, rea
 def _worker(job_json: str) -> int:
     job = json.loads(job_json)
     preset, cfg = PRESETS[job["preset"]], Config(**job["cfg"])
-    row = aot_row(preset, cfg, job["which"], job["topology"], None)
+    if job.get("mesh"):
+        row = mesh_aot_row(preset, cfg, job["which"], job["topology"], job["mesh"], None)
+    else:
+        row = aot_row(preset, cfg, job["which"], job["topology"], None)
     print("@@ROW " + json.dumps(row), flush=True)
     return 0
 
@@ -485,7 +616,8 @@ def wall_row(preset: Preset, cfg: Config, which: str, iters: int, peak_tflops: f
 # (row key, header, kind): kind "s" string, "i" int, "f1"/"f3"/"e" floats
 COLUMNS = [
     ("mode", "mode", "s"), ("target", "target", "s"), ("impl", "impl", "s"), ("head_chunk", "hc", "i"),
-    ("seq", "S", "i"), ("pass_", "pass", "s"), ("measure", "measure", "s"), ("status", "status", "s"),
+    ("seq", "S", "i"), ("mesh", "mesh", "s"), ("batch", "B", "i"), ("pass_", "pass", "s"),
+    ("measure", "measure", "s"), ("status", "status", "s"),
     ("argument_mib", "arg MiB", "f1"), ("temp_mib", "temp MiB", "f1"), ("peak_mib", "peak MiB", "f1"),
     ("vmem_limit_mib", "VMEM lim MiB", "f1"), ("compile_s", "compile s", "f1"), ("median_ms", "median ms", "f3"),
     ("spread_pct", "spread %", "f1"), ("tflops", "TFLOP/s", "f1"), ("pct_peak", "% peak", "f1"),
@@ -601,7 +733,8 @@ def plot_metric(rows: Sequence[dict], path: str, *, measure: str, key: str, ylab
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [r for r in rows if r.get("measure") == measure and r.get("status") == "ok" and r.get(key) is not None]
+    pts = [r for r in rows if r.get("measure") == measure and r.get("status") == "ok" and r.get(key) is not None
+           and r.get("mesh", "-") in ("-", None, "")]  # one-chip rows; sharded rows are per-device, not comparable
     if not pts:
         return None
     panels = sorted({(r["mode"], r["target"], r["pass_"]) for r in pts},
@@ -668,6 +801,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", nargs="+", choices=PASSES, default=None,
                    help="default: the preset's (flash/pro: fwd fwd+bwd; tiny: fwd+bwd); --quick: fwd+bwd")
     p.add_argument("--topology", default="v5p:2x2x1")
+    p.add_argument("--mesh", action="append", type=parse_mesh, default=None, metavar="AXIS=N[,AXIS=N]",
+                   help="also compile (and on a TPU slice, time) the sharded loss (csa_pallas.sharding) on this mesh; "
+                        "axes data (batch), heads, seq; repeatable, e.g. --mesh data=2,heads=4 --mesh seq=8. Pallas "
+                        "configs only; the global batch is the preset's times data")
+    p.add_argument("--mesh-topology", default="v5p:2x2x2",
+                   help="multi-chip topology of the --mesh AOT rows (its chip count must equal each mesh's size)")
     p.add_argument("--iters", type=int, default=10, help="timed runs per configuration on a TPU (>= 10)")
     p.add_argument("--out", default=os.path.join("results", "sweep"), help="output directory")
     p.add_argument("--no-aot", action="store_true", help="skip the AOT compile rows")
@@ -703,7 +842,7 @@ def main(argv=None) -> int:
     swept = sorted({c.head_chunk for c in configs})
     check_chunk = preset.quick_head_chunk if preset.quick_head_chunk in swept else (swept[-1] if swept else None)
 
-    jobs = []  # (kind, cfg, which)
+    jobs = []  # (kind, cfg, which[, mesh axes])
     for cfg in configs:
         if do_check and cfg.impl == "pallas" and (a.check_all_chunks or cfg.head_chunk == check_chunk):
             jobs.append(("check", cfg, "fwd+bwd"))
@@ -711,8 +850,16 @@ def main(argv=None) -> int:
             jobs += [("aot", cfg, w) for w in passes]
         if do_wall:
             jobs += [("wall", cfg, w) for w in passes]
+        for axes in (a.mesh or []) if cfg.impl == "pallas" else []:
+            if do_aot:
+                jobs += [("aot-mesh", cfg, w, axes) for w in passes]
+            if do_wall:
+                jobs += [("wall-mesh", cfg, w, axes) for w in passes]
 
     header = header_lines(preset, a.topology, backend)
+    if a.mesh:
+        header.append(f"# mesh rows (--mesh): csa_pallas.sharding under shard_map, AOT for {a.mesh_topology} "
+                      "(all its chips); MiB are PER DEVICE; B = the preset's batch x data")
     if not do_aot:
         header.append("# aot rows: skipped (" + ("--no-aot" if a.no_aot else "libtpu not installed") + ")")
     meta = dict(preset=dataclasses.asdict(preset), topology=a.topology, backend=backend, jax_version=jax.__version__,
@@ -720,8 +867,10 @@ def main(argv=None) -> int:
     stem = preset.name + ("_quick" if a.quick else "")
     rows, reasons, t_start = [], {}, time.perf_counter()
     peak = chip_peak_tflops(a.topology)
-    for i, (kind, cfg, which) in enumerate(jobs, 1):
-        print(f"[{i}/{len(jobs)}] {kind} {cfg.label} {which} ...", file=sys.stderr, flush=True)
+    for i, (kind, cfg, which, *mesh) in enumerate(jobs, 1):
+        axes = mesh[0] if mesh else None
+        where = f" mesh {mesh_label(axes)}" if axes else ""
+        print(f"[{i}/{len(jobs)}] {kind} {cfg.label}{where} {which} ...", file=sys.stderr, flush=True)
         if cfg not in reasons:
             try:
                 reasons[cfg] = unsupported_reason(preset, cfg)
@@ -734,6 +883,11 @@ def main(argv=None) -> int:
         elif kind == "aot":
             row = (aot_row_isolated(preset, cfg, which, a.topology, reasons[cfg], a.compile_timeout) if isolate
                    else aot_row(preset, cfg, which, a.topology, reasons[cfg]))
+        elif kind == "aot-mesh":
+            row = (aot_row_isolated(preset, cfg, which, a.mesh_topology, reasons[cfg], a.compile_timeout, axes)
+                   if isolate else mesh_aot_row(preset, cfg, which, a.mesh_topology, axes, reasons[cfg]))
+        elif kind == "wall-mesh":
+            row = mesh_wall_row(preset, cfg, which, axes, a.iters, peak, reasons[cfg])
         else:
             row = wall_row(preset, cfg, which, a.iters, peak, reasons[cfg])
         rows.append(row)

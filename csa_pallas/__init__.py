@@ -4,9 +4,13 @@ Public API (SPEC.md is the math contract):
   indexer_distill_loss(indexer_logits, q, compressed_kv, ...)  -> loss (custom_vjp; gradient only to the logits)
   teacher_distribution(q, compressed_kv, ...)                   -> P, f32 [B, S, N] or [B, S, K]
   noncompressed_lse(q, window_kv, ...)                          -> u, f32 [B, S, H]
+  sharded_indexer_distill_loss(mesh, indexer_logits, q, ..., batch_axes=, head_axis=, seq_axis=)
+  sharded_teacher_distribution(mesh, q, compressed_kv, ...)     -> the same under shard_map (csa_pallas.sharding)
 """
 
 from csa_pallas.api import indexer_distill_loss, noncompressed_lse, teacher_distribution
+from csa_pallas.sharding import sharded_indexer_distill_loss, sharded_teacher_distribution
 
-__all__ = ["indexer_distill_loss", "teacher_distribution", "noncompressed_lse"]
+__all__ = ["indexer_distill_loss", "teacher_distribution", "noncompressed_lse", "sharded_indexer_distill_loss",
+           "sharded_teacher_distribution"]
 __version__ = "0.1.0"

@@ -52,6 +52,21 @@ def single_chip_mesh(topology: str = DEFAULT_TOPOLOGY, axis_name: str = "x") -> 
     return Mesh(np.array(tpu_devices(topology)[:1]), (axis_name,))
 
 
+def tpu_mesh(topology: str, axes: dict) -> Mesh:
+    """A mesh over all chips of `topology` with named axes, e.g. tpu_mesh('v5p:2x2x2', {'data': 2, 'heads': 4}).
+    The product of the axis sizes must be the number of chips."""
+    devices = tpu_devices(topology)
+    sizes = tuple(axes.values())
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"axes: sizes {axes} multiply to {int(np.prod(sizes))}, but topology {topology!r} has "
+                         f"{len(devices)} chips")
+    return Mesh(np.array(devices).reshape(sizes), tuple(axes))
+
+
+def sharded_struct(shape: Sequence[int], dtype, mesh: Mesh, spec: PartitionSpec) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, spec))
+
+
 def _place(tree, sharding):
     def one(x):
         if isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "shape"):

@@ -29,6 +29,7 @@ target, ...) are reported by `csa_pallas.indexer_distill_loss` at the first call
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -38,8 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import nnx
+from jax.sharding import Mesh
 
 from csa_pallas import api
+from csa_pallas import sharding
 from csa_pallas.validation import IMPLEMENTATIONS, REDUCTIONS, TARGETS
 
 __all__ = [
@@ -97,6 +100,9 @@ class IndexerLossConfig:
       sparse_training: True = every call must pass topk_indices (sparse stage), False = none may (dense warm-up),
         None = decided per call by whether topk_indices is given (MaxText `indexer_sparse_training`).
       implementation: None (auto), "xla" or "pallas"; passed through to `csa_pallas.indexer_distill_loss`.
+      mesh, batch_axes, head_axis, seq_axis: run sharded (`csa_pallas.sharded_indexer_distill_loss`) on this
+        jax.sharding.Mesh, batch over `batch_axes` (a tuple of names), heads over `head_axis`, the query sequence
+        over `seq_axis` (e.g. MaxText's ("data", "fsdp"), "tensor", "context"). mesh=None: unsharded call.
     """
 
     compress_ratio: int = 4
@@ -108,6 +114,10 @@ class IndexerLossConfig:
     softmax_scale: Optional[float] = None
     sparse_training: Optional[bool] = None
     implementation: Optional[str] = None
+    mesh: Optional[Mesh] = None
+    batch_axes: tuple = ()
+    head_axis: Optional[str] = None
+    seq_axis: Optional[str] = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: canonicalise in place
@@ -134,6 +144,11 @@ class IndexerLossConfig:
             set_("sparse_training", bool(self.sparse_training))
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS}, got {self.implementation!r}")
+        if self.mesh is not None and not isinstance(self.mesh, Mesh):
+            raise ValueError(f"mesh: expected None or a jax.sharding.Mesh, got {type(self.mesh).__name__}")
+        set_("batch_axes", (self.batch_axes,) if isinstance(self.batch_axes, str) else tuple(self.batch_axes))
+        if self.mesh is None and (self.batch_axes or self.head_axis or self.seq_axis):
+            raise ValueError("mesh: batch_axes/head_axis/seq_axis name mesh axes, so they need mesh= as well")
 
     @classmethod
     def from_maxtext_config(cls, cfg, **overrides) -> "IndexerLossConfig":
@@ -209,7 +224,12 @@ def _compute_loss(cfg: IndexerLossConfig, indexer_logits, q, compressed_kv, *, t
     if cfg.sparse_training is False and topk_indices is not None:
         raise ValueError("topk_indices: given but sparse_training=False (MaxText indexer_sparse_training, the dense "
                          "warm-up computes the loss over all visible blocks); drop it or set sparse_training")
-    return api.indexer_distill_loss(
+    if cfg.mesh is not None:
+        run = functools.partial(sharding.sharded_indexer_distill_loss, cfg.mesh, batch_axes=cfg.batch_axes,
+                                head_axis=cfg.head_axis, seq_axis=cfg.seq_axis)
+    else:
+        run = api.indexer_distill_loss
+    return run(
         indexer_logits, q, compressed_kv, topk_indices=topk_indices, window_kv=window_kv, sinks=sinks,
         noncompressed_lse=noncompressed_lse, full_lse=full_lse, segment_ids=segment_ids, positions=positions,
         kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, compress_ratio=cfg.compress_ratio,
@@ -245,11 +265,13 @@ class CSAIndexerLoss(nnx.Module):
 
     def __init__(self, config=None, *, compress_ratio=_MISSING, window_size=_MISSING, target=_MISSING,
                  reduction=_MISSING, scale=_MISSING, head_chunk=_MISSING, softmax_scale=_MISSING,
-                 sparse_training=_MISSING, implementation=_MISSING):
+                 sparse_training=_MISSING, implementation=_MISSING, mesh=_MISSING, batch_axes=_MISSING,
+                 head_axis=_MISSING, seq_axis=_MISSING):
         explicit = {k: v for k, v in dict(
             compress_ratio=compress_ratio, window_size=window_size, target=target, reduction=reduction,
             scale=scale, head_chunk=head_chunk, softmax_scale=softmax_scale, sparse_training=sparse_training,
-            implementation=implementation).items() if v is not _MISSING}
+            implementation=implementation, mesh=mesh, batch_axes=batch_axes, head_axis=head_axis,
+            seq_axis=seq_axis).items() if v is not _MISSING}
         self.config = _resolve_config(config, explicit)
 
     @classmethod
@@ -289,6 +311,10 @@ class CSAIndexerLossLinen(nn.Module):
     softmax_scale: Optional[float] = None
     sparse_training: Optional[bool] = None
     implementation: Optional[str] = None
+    mesh: Optional[Mesh] = None
+    batch_axes: Optional[tuple] = None
+    head_axis: Optional[str] = None
+    seq_axis: Optional[str] = None
 
     def __post_init__(self):
         self.loss_config  # validate at construction, so a bad field raises here, naming it

@@ -30,12 +30,12 @@ from csa_pallas.kernels import window_lse as window_kernel
 from csa_pallas.validation import Problem
 
 
-def _compute_dtype(*arrays):
+def compute_dtype(*arrays):
     dtype = jnp.result_type(*[a.dtype for a in arrays if a is not None])
     return jnp.dtype(jnp.float32) if dtype == jnp.float64 else jnp.dtype(dtype)
 
 
-def _pad_axis(x, axis: int, size: int, value=0):
+def pad_axis(x, axis: int, size: int, value=0):
     pad = size - x.shape[axis]
     if pad == 0:
         return x
@@ -73,7 +73,7 @@ def teacher_mode(problem: Problem) -> str:
 
 
 def dense_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> DenseLayout:
-    dtype = _compute_dtype(problem.q, problem.compressed_kv)
+    dtype = compute_dtype(problem.q, problem.compressed_kv)
     if cfg is None:
         cfg = teacher_kernel.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
                                             seq_len=problem.seq_len, num_blocks=problem.num_blocks, dtype=dtype,
@@ -110,7 +110,7 @@ def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig
     reason = window_supported_reason(problem) if key_offset == 0 else None
     if reason is not None:
         raise NotImplementedError(f"implementation='pallas': {reason}")
-    dtype = _compute_dtype(problem.q, problem.window_kv)
+    dtype = compute_dtype(problem.q, problem.window_kv)
     b, s, h, _ = problem.q.shape
     if cfg is None:
         cfg = window_kernel.default_config(num_heads=h, head_dim=problem.head_dim, seq_len=s, dtype=dtype,
@@ -118,13 +118,13 @@ def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig
     s_p = window_kernel.padded_len(s, cfg)
     kv_p = common.round_up(max(problem.kv_len, s_p + key_offset), cfg.block_k)
     # Teacher side: stop_gradient before the kernels, so differentiating wrt these inputs gives exact zeros.
-    q = _pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, s_p)
-    kv = _pad_axis(jax.lax.stop_gradient(problem.window_kv).astype(dtype), 1, kv_p)
+    q = pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, s_p)
+    kv = pad_axis(jax.lax.stop_gradient(problem.window_kv).astype(dtype), 1, kv_p)
     qmeta = common.query_meta(problem.segment_ids, problem.positions, s_p)
     wmeta = common.key_meta(problem.kv_segment_ids, problem.kv_positions, kv_p, 0)
     if key_valid is None:
         key_valid = jnp.ones((b, problem.kv_len), bool)
-    wmeta = wmeta.at[:, 2, :].set(_pad_axis(key_valid.astype(jnp.int32), 1, kv_p))
+    wmeta = wmeta.at[:, 2, :].set(pad_axis(key_valid.astype(jnp.int32), 1, kv_p))
     lse = window_kernel.window_lse_pallas(q, kv, qmeta, wmeta, cfg=cfg, window_size=problem.window_size,
                                           scale=problem.softmax_scale, key_offset=key_offset,
                                           interpret=runtime.interpret_mode())
@@ -135,13 +135,13 @@ def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig
     return lse
 
 
-def _teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True) -> jax.Array:
+def teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True) -> jax.Array:
     """P, f32 [B, S_p, N_p] (padding rows/columns are zero)."""
     cfg = layout.cfg
     mode = teacher_mode(problem)
-    dtype = _compute_dtype(problem.q, problem.compressed_kv)
-    q = _pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
-    kv = _pad_axis(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype), 1, layout.padded_blocks)
+    dtype = compute_dtype(problem.q, problem.compressed_kv)
+    q = pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
+    kv = pad_axis(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype), 1, layout.padded_blocks)
     lse_in = None
     if mode != "per_head":
         if mode == "full_lse":
@@ -150,7 +150,7 @@ def _teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = Tru
             stats = problem.noncompressed_lse
         else:
             stats = noncompressed_lse(problem)
-        stats = _pad_axis(jax.lax.stop_gradient(stats).astype(jnp.float32), 1, layout.padded_seq)
+        stats = pad_axis(jax.lax.stop_gradient(stats).astype(jnp.float32), 1, layout.padded_seq)
         lse_in = common.row_layout(problem.num_heads, cfg.head_chunk, cfg.block_q, dtype).stats_to_hbm(stats)
     target = teacher_kernel.teacher_pallas(q, kv, layout.qmeta, layout.kmeta, layout.firsts, layout.counts, lse_in,
                                            mode=mode, cfg=cfg, scale=problem.softmax_scale,
@@ -165,7 +165,7 @@ def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherC
     if n == 0:
         return jnp.zeros((b, s, 0), jnp.float32)
     layout = dense_layout(problem, cfg)
-    return _teacher_padded(problem, layout)[:, :s, :n]
+    return teacher_padded(problem, layout)[:, :s, :n]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +206,7 @@ def padded_kl_rows(indexer_logits, target_padded, *, qmeta, kmeta, firsts, count
     """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S], from the KL kernels
     on the padded target [B, S_p, W_p] (shared by dense and sparse mode)."""
     b, s, _ = indexer_logits.shape
-    logits = _pad_axis(_pad_axis(indexer_logits, 1, target_padded.shape[1]), 2, target_padded.shape[2])
+    logits = pad_axis(pad_axis(indexer_logits, 1, target_padded.shape[1]), 2, target_padded.shape[2])
     static = _KLStatic(schedule, runtime.interpret_mode(), target_mask)
     stats = _kl_stats(static, logits, target_padded, qmeta, kmeta, firsts, counts)
     rows = stats[:, :, 0, :].reshape(b, -1)[:, :s]
@@ -227,6 +227,6 @@ def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "
         rows = jnp.zeros(indexer_logits.shape[:2], jnp.float32)
         return reference.reduce_rows(rows, jnp.zeros(rows.shape, bool), reduction, scale)
     layout = dense_layout(problem, cfg)
-    target = _teacher_padded(problem, layout)
+    target = teacher_padded(problem, layout)
     rows, nonempty = kl_rows(indexer_logits, target, layout)
     return reference.reduce_rows(rows, nonempty, reduction, scale)

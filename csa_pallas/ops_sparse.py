@@ -52,7 +52,7 @@ def _tile_need(problem: Problem, qmeta, kmeta, cfg, s_p: int, n_p: int):
     need = common.tile_need(qmeta, kmeta, cfg.block_q, cfg.block_k)  # [B, nq, nk]
     b, s, k = problem.topk_indices.shape
     n = problem.num_blocks
-    idx = ops._pad_axis(problem.topk_indices.astype(jnp.int32), 1, s_p, -1)
+    idx = ops.pad_axis(problem.topk_indices.astype(jnp.int32), 1, s_p, -1)
     idx = idx.reshape(b, s_p // cfg.block_q, cfg.block_q * k)
     in_range = (idx >= 0) & (idx < n)
     lo = jnp.min(jnp.where(in_range, idx, n_p), axis=-1)  # [B, nq]
@@ -64,7 +64,7 @@ def _tile_need(problem: Problem, qmeta, kmeta, cfg, s_p: int, n_p: int):
 
 
 def sparse_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> SparseLayout:
-    dtype = ops._compute_dtype(problem.q, problem.compressed_kv)
+    dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
     cfg = sparse_teacher.sparse_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
                                        seq_len=problem.seq_len, num_blocks=problem.num_blocks,
                                        width=problem.width, dtype=dtype, mode=ops.teacher_mode(problem),
@@ -76,22 +76,22 @@ def sparse_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] 
     block_segment, block_end = reference.block_keys(problem)
     kmeta = common.key_meta(block_segment, block_end, n_p, masks.INVALID_BLOCK_END)
     tiles, counts = common.tile_ranges(_tile_need(problem, qmeta, kmeta, cfg, s_p, n_p))
-    schedule = common.TileSchedule(causal=False, nq=s_p // cfg.block_q, nk=n_p // cfg.block_k,
+    schedule = common.TileSchedule(causal=problem.default_ids, nq=s_p // cfg.block_q, nk=n_p // cfg.block_k,
                                    block_q=cfg.block_q, block_k=cfg.block_k, ratio=problem.compress_ratio,
                                    num_blocks=problem.num_blocks)
     return SparseLayout(cfg=cfg, schedule=schedule, qmeta=qmeta, kmeta=kmeta, tiles=tiles, counts=counts,
                         padded_seq=s_p, padded_blocks=n_p, padded_width=k_p)
 
 
-def _teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = True) -> jax.Array:
+def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = True) -> jax.Array:
     """P' f32 [B, S_p, K_p]: slot-order target on valid slots, -1 on empty slots (and padding)."""
     cfg = layout.cfg
     mode = ops.teacher_mode(problem)
-    dtype = ops._compute_dtype(problem.q, problem.compressed_kv)
-    q = ops._pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
-    kv = ops._pad_axis(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype), 1, layout.padded_blocks)
+    dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
+    q = ops.pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
+    kv = ops.pad_axis(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype), 1, layout.padded_blocks)
     idx = problem.topk_indices.astype(jnp.int32)
-    idx = ops._pad_axis(ops._pad_axis(idx, 1, layout.padded_seq, -1), 2, layout.padded_width, -1)
+    idx = ops.pad_axis(ops.pad_axis(idx, 1, layout.padded_seq, -1), 2, layout.padded_width, -1)
     lse_in = None
     if mode != "per_head":
         if mode == "full_lse":
@@ -100,7 +100,7 @@ def _teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = Tr
             stats = problem.noncompressed_lse
         else:
             stats = ops.noncompressed_lse(problem)
-        stats = ops._pad_axis(jax.lax.stop_gradient(stats).astype(jnp.float32), 1, layout.padded_seq)
+        stats = ops.pad_axis(jax.lax.stop_gradient(stats).astype(jnp.float32), 1, layout.padded_seq)
         lse_in = common.row_layout(problem.num_heads, cfg.head_chunk, cfg.block_q, dtype).stats_to_hbm(stats)
     target = sparse_teacher.sparse_teacher_pallas(q, kv, layout.qmeta, layout.kmeta, idx, layout.tiles,
                                                   layout.counts, lse_in, mode=mode, cfg=cfg,
@@ -115,7 +115,7 @@ def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherC
     if problem.num_blocks == 0:
         return jnp.zeros((b, s, k), jnp.float32)
     layout = sparse_layout(problem, cfg)
-    return jnp.maximum(_teacher_padded(problem, layout)[:, :s, :k], 0.0)
+    return jnp.maximum(teacher_padded(problem, layout)[:, :s, :k], 0.0)
 
 
 def _kl_schedule(batch: int, s_p: int, k_p: int, block_q: int):
@@ -143,6 +143,6 @@ def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "
         rows = jnp.zeros(indexer_logits.shape[:2], jnp.float32)
         return reference.reduce_rows(rows, jnp.zeros(rows.shape, bool), reduction, scale)
     layout = sparse_layout(problem, cfg)
-    target = _teacher_padded(problem, layout)
+    target = teacher_padded(problem, layout)
     rows, nonempty = kl_rows(indexer_logits, target, layout)
     return reference.reduce_rows(rows, nonempty, reduction, scale)

@@ -4,24 +4,16 @@ Forward + backward at the DeepSeek-V4-Flash shape (B=1, H=64, D=512, m=4, W=128,
 both targets: the program must compile and its temp HBM must stay <= 1.25 x one [B, S, N] f32 array + 64 MiB.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import pytest
 
 import csa_pallas
 from csa_pallas import aot
+from aot_cases import require_libtpu
 
 MiB = 1 << 20
 FLASH = dict(batch=1, heads=64, head_dim=512, ratio=4, window=128)
-
-
-def require_libtpu():
-    if not aot.libtpu_available():
-        if os.environ.get("CSA_PALLAS_ALLOW_NO_LIBTPU") == "1":
-            pytest.skip("libtpu not installed and CSA_PALLAS_ALLOW_NO_LIBTPU=1")
-        pytest.fail("libtpu is required for the v5p AOT tests: pip install 'jax[tpu]==0.10.2'")
 
 
 def loss_and_grad_program(target, head_chunk=None, *, heads=64, head_dim=512, window=128, ratio=4):

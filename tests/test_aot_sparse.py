@@ -11,7 +11,7 @@ import pytest
 
 from csa_pallas import aot, ops_sparse, validation
 
-from test_aot_kernels import require_libtpu
+from aot_cases import require_libtpu
 
 MiB = 1 << 20
 

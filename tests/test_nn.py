@@ -303,7 +303,7 @@ BAD_FIELDS = [
     ("compress_ratio", 0), ("compress_ratio", 2.0), ("window_size", -1), ("target", "joint_sink"),
     ("reduction", "avg"), ("scale", -1.0), ("scale", float("nan")), ("scale", "1"), ("scale", jnp.float32(1.0)),
     ("head_chunk", 0), ("head_chunk", 1.5), ("softmax_scale", 0.0), ("sparse_training", "yes"),
-    ("implementation", "cuda"),
+    ("implementation", "cuda"), ("mesh", "data"),
 ]
 
 
@@ -313,6 +313,36 @@ def test_bad_field_is_a_clear_value_error(field, value):
                  lambda: CSAIndexerLossLinen(**{field: value})):
         with pytest.raises(ValueError, match=f"^{field}: "):
             make()
+
+
+def test_mesh_axes_without_a_mesh_are_rejected():
+    with pytest.raises(ValueError, match="^mesh: batch_axes/head_axis/seq_axis name mesh axes"):
+        IndexerLossConfig(head_axis="tensor")
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_nnx_sharded_on_a_mesh_matches_functional(sparse):
+    # 8 host devices (conftest); batch over "data", heads over "tensor" (MaxText's names), Pallas in shard_map.
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    logits, arrays, kw = _inputs(seed=4, sparse=sparse, packed=True)
+    cfg = IndexerLossConfig(compress_ratio=M, window_size=W, implementation="pallas", mesh=mesh, batch_axes="data",
+                            head_axis="tensor")
+    student = _Student(logits, CSAIndexerLoss(cfg))
+    call_kw = _call_kwargs(arrays, kw, cfg)
+
+    @nnx.jit
+    def step(model, q, ckv, call_kw):
+        def loss_fn(model):
+            loss, _ = nnx.capture(lambda m: m(q, ckv, **call_kw), nnx.Intermediate)(model)
+            return loss
+        return nnx.value_and_grad(loss_fn)(model)
+
+    loss, grads = step(student, arrays["q"], arrays["compressed_kv"], call_kw)
+    ref_cfg = dataclasses.replace(cfg, mesh=None, batch_axes=(), head_axis=None, implementation="xla")
+    ref_loss, ref_grad = jax.value_and_grad(lambda lg: _functional(lg, arrays, kw, ref_cfg))(logits)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(grads["logits"][...], ref_grad, atol=1e-5 * float(np.max(np.abs(ref_grad))))
 
 
 BAD_MAXTEXT = [

@@ -6,12 +6,14 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import csa_pallas
 from csa_pallas import ops_sparse, reference, validation
-from csa_pallas.kernels import runtime
+from csa_pallas.kernels import runtime, sparse_teacher
 from csa_pallas.kernels.teacher import TeacherConfig
 
 from kernel_cases import TEACHER_KEYS, assert_matches, make_case
@@ -168,6 +170,34 @@ def test_teacher_inputs_get_exact_zero_gradients_and_no_nan():
         assert np.all(np.asarray(g) == 0)
     dI = np.asarray(grads[4])
     assert np.all(np.isfinite(dI)) and np.all(dI[hidden] == 0) and np.any(dI != 0)
+
+
+@pytest.mark.parametrize("block_q,block_k,width,base", [(64, 256, 512, 256), (16, 128, 128, 0), (64, 384, 1024, 384),
+                                                         (128, 512, 768, 512)])
+def test_packed_multiplicity_matches_a_direct_count(block_q, block_k, width, base):
+    # The transposed kernel path packs four 8-bit counters per word: rows selecting one block in every slot
+    # (> 255 duplicates), extreme int32 values and -1 must not carry into a neighbouring counter or alias a block.
+    rng = np.random.default_rng(block_k + width)
+    idx = rng.integers(base - 300, base + block_k + 300, (block_q, width)).astype(np.int32)
+    idx[0, :] = base + 3
+    idx[1, :] = base + block_k - 1
+    idx[2, ::2], idx[2, 1::2] = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    idx[3, :] = -1
+    fold = sparse_teacher.slot_fold(block_q)
+
+    def kernel(idx_ref, packed_ref, row_major_ref, idx_t_ref):
+        idx_t_ref[...] = sparse_teacher.transpose_slots(idx_ref[...], fold)
+        packed_ref[...] = sparse_teacher._multiplicity_transposed(idx_t_ref, base, block_q=block_q,
+                                                                  block_k=block_k, fold=fold)
+        row_major_ref[...] = sparse_teacher._multiplicity(idx_ref, base, block_q=block_q, block_k=block_k,
+                                                          width_p=width)
+
+    packed, row_major = pl.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct((block_q, block_k), jnp.int32)] * 2,
+        scratch_shapes=[pltpu.VMEM((width // fold, fold * block_q), jnp.int32)], interpret=True)(jnp.asarray(idx))
+    expected = (idx[:, :, None] == base + np.arange(block_k)[None, None, :]).sum(axis=1)
+    np.testing.assert_array_equal(np.asarray(packed), expected)
+    np.testing.assert_array_equal(np.asarray(row_major), expected)
 
 
 def test_race_and_out_of_bounds_checking_interpreter():

@@ -57,6 +57,26 @@ def test_cli_filters_parse():
                                                                         ["pallas"], True)
 
 
+def test_mesh_option_parses_axes_and_rejects_bad_ones():
+    a = sweep.build_parser().parse_args(["--mesh", "data=2,heads=4", "--mesh", "seq=8"])
+    assert a.mesh == [{"data": 2, "heads": 4}, {"seq": 8}] and a.mesh_topology == "v5p:2x2x2"
+    assert sweep.mesh_label({"data": 2, "seq": 4}) == "data=2,seq=4"
+    assert sweep.mesh_batch(sweep.PRESETS["tiny"], {"data": 4, "heads": 2}) == 4
+    for bad in ("model=2", "data=0", "data=2,data=2", "heads"):
+        with pytest.raises(ValueError, match="--mesh"):
+            sweep.parse_mesh(bad)
+
+
+def test_mesh_rows_compile_sharded_per_device(tmp_path):
+    from csa_pallas import aot
+    if not aot.libtpu_available():
+        pytest.fail("libtpu is required for the sweep's AOT rows: pip install 'jax[tpu]==0.10.2'")
+    preset, cfg = sweep.PRESETS["tiny"], sweep.Config(seq=256, head_chunk=2, mode="dense", target="joint", impl="pallas")
+    row = sweep.mesh_aot_row(preset, cfg, "fwd+bwd", "v5p:2x2x1", {"data": 2, "heads": 2}, None)
+    assert row["status"] == "ok", row["error"]
+    assert row["mesh"] == "data=2,heads=2" and row["batch"] == 2 and row["temp_mib"] > 0
+
+
 def test_classify_error():
     assert sweep.classify_error("Mosaic failed: scoped VMEM limit exceeded") == "VMEM overflow"
     assert sweep.classify_error("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm") == "HBM overflow"
@@ -74,7 +94,9 @@ def _rows():
               error="", loss_rel_err=1.5e-7, grad_abs_err=2e-9, grad_rel_err=3.25e-7, compile_s=8.0)
     r4 = dict(base, pass_="fwd+bwd", measure="wall", how="TPU wall clock TPU v5p", status="ok", error="",
               median_ms=1.2345, spread_pct=3.0, tflops=123.4, pct_peak=26.9)
-    return [r1, r2, r3, r4]
+    r5 = dict(base, pass_="fwd+bwd", measure="aot", how="aot v5p:2x2x2 sharded, per-device memory_analysis",
+              status="ok", error="", mesh="data=2,heads=4", batch=2, temp_mib=16.7)
+    return [r1, r2, r3, r4, r5]
 
 
 def test_table_round_trip():

@@ -19,15 +19,23 @@ once per slot), which is exactly sum_s mult[t, s] * exp(z[t, s]):
     Mosaic supports for f32 sources of one vreg width) - each slot's block lies in exactly one kv tile, so it is
     written exactly once per head chunk. The same gather of mult > 0 marks the slot valid.
 
-Grid (B*nq "parallel", H/hc "arbitrary", passes*nk "arbitrary"); the kv tiles visited by a query tile come from a
-conservative dense-style table (segment/causal overlap, intersected with the range [min, max] of the tile's
-in-range indices), reduced to one contiguous range [first, first + count) per query tile (`common.tile_ranges`)
-and passed by scalar prefetch as two [B*nq] vectors (a per-tile list overflows SMEM at S=131072). The
-multiplicity is an int32 compare/add over the [bq, K] index block: a `fori_loop` over K in 128-lane chunks
-(`pl.ds(pl.multiple_of(c*128, 128), 128)`) with a static 128-step loop over the chunk's lanes. That is K compares
-per (query, block), more VPU work than the matmul's MXU work at the Flash shape, so the resulting weights
-log(mult) are computed once per (query tile, kv tile) and kept in a VMEM cache [nk, bq, bk] for pass 2 and the
-other head chunks (when <= 8 MiB).
+Grid (B*nq "parallel", H/hc "arbitrary", passes*nk "arbitrary"). With default ids the kv tiles of a query tile are
+the static causal prefix (`common.TileSchedule(causal=True)`, like the dense teacher), so the compiler and static
+estimators see which steps run; otherwise they come from a conservative dense-style table (segment/causal overlap,
+intersected with the range [min, max] of the tile's in-range indices), reduced to one contiguous range
+[first, first + count) per query tile (`common.tile_ranges`) and passed by scalar prefetch as two [B*nq] vectors
+(a per-tile list overflows SMEM at S=131072).
+
+The multiplicity is K int32 compares per (query, block), more VPU work than the matmul's MXU work at the Flash
+shape, so it is laid out for the VPU: the [bq, K_p] index block is transposed once per query tile into
+[K_p/fold, fold*bq] (blocks on sublanes, queries on all 128 lanes; `slot_fold`), so each slot row is one loaded
+row broadcast over sublanes (no cross-lane permutes), and four 8-bit counters share each int32 word (a quarter of
+the compare/select/add lanes); the [bk, 128] counts are transposed back once per tile. Query tiles that do not fold
+into 128 lanes use a row-major loop instead. The weights log(mult) are computed once per (query tile, kv tile),
+unrolled in pass 1's basic block (the LLO scheduler overlaps part of them with the matmul), and kept in a VMEM
+cache [nk, bq, bk] for pass 2 and the other head chunks (when <= 8 MiB). When they fit in VMEM (`cache_scores`),
+pass 1 also keeps the masked scores z + log(mult) so pass 2 needs no second matmul; it divides the head sum by
+mult again.
 
 Output: f32 [B, S_p, K_p] in slot order, rows L1-normalised over their valid slots, and -1.0 on empty slots: the
 sentinel carries V(t) to the KL kernels (`kl.py`, target_mask=True) without a separate [B, S, K] mask array.
@@ -60,8 +68,8 @@ MAX_WEIGHT_CACHE_BYTES = 8 * MiB
 def sparse_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: int, width: int, dtype, mode: str,
                   head_chunk=None, cfg: dense_teacher.TeacherConfig = None) -> dense_teacher.TeacherConfig:
     """The dense teacher's tiling with kv tiles of a multiple of 128 lanes (the lane gather works per 128-lane
-    chunk), no score cache, and VMEM for the [bq, K_p] index/output blocks, the multiplicity temporaries and the
-    weight cache."""
+    chunk) and VMEM for the [bq, K_p] index/output blocks, the transposed index block, the multiplicity
+    temporaries and the weight cache; the score cache only when all of that still fits in VMEM."""
     if cfg is None:
         cfg = dense_teacher.default_config(num_heads=num_heads, head_dim=head_dim, seq_len=seq_len,
                                            num_blocks=max(num_blocks, 129), dtype=dtype, mode=mode,
@@ -70,17 +78,26 @@ def sparse_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: in
         bk = 128 if num_blocks <= 128 else cfg.block_k
         n_p = common.round_up(max(num_blocks, 1), bk)
         cache = cfg.block_q * n_p * 4
-        extra = 6 * cfg.block_q * k_p * 4 + 8 * cfg.block_q * bk * 4
+        extra = 7 * cfg.block_q * k_p * 4 + 8 * cfg.block_q * bk * 4
         extra += cache if cache <= MAX_WEIGHT_CACHE_BYTES else 0
+        if cfg.cache_scores:
+            # The dense calculator is an upper estimate (the Flash shape: 59 MiB + 1.7 MiB extra compiles under
+            # 64 MiB), so compare against the physical VMEM rather than its usable fraction.
+            need = dense_teacher.vmem_bytes(dataclasses.replace(cfg, block_k=bk), num_heads=num_heads,
+                                            head_dim=head_dim, num_blocks=max(num_blocks, 1), dtype=dtype,
+                                            mode=mode)
+            if need + extra > dense_teacher.CHIPS[dense_teacher.DEFAULT_CHIP].vmem_bytes:
+                cfg = dataclasses.replace(cfg, cache_scores=False)
         limit = min(cfg.vmem_limit_bytes + extra + 4 * MiB, 64 * MiB)
-        return dataclasses.replace(cfg, block_k=bk, cache_scores=False, vmem_limit_bytes=limit)
+        return dataclasses.replace(cfg, block_k=bk, vmem_limit_bytes=limit)
     if cfg.block_k % LANES:
         raise ValueError(f"sparse mode needs block_k to be a multiple of {LANES}, got {cfg.block_k}")
-    return dataclasses.replace(cfg, cache_scores=False)
+    return cfg
 
 
 def _multiplicity(idx_ref, base, *, block_q: int, block_k: int, width_p: int):
-    """int32 [bq, bk]: how many slots of each row select block base + s (s < bk)."""
+    """int32 [bq, bk]: how many slots of each row select block base + s (s < bk). Row-major fallback for query
+    tiles that do not fold into 128 lanes (`slot_fold`)."""
     lane = lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1) + base
 
     def body(c, acc):
@@ -90,6 +107,68 @@ def _multiplicity(idx_ref, base, *, block_q: int, block_k: int, width_p: int):
         return acc
 
     return lax.fori_loop(0, width_p // LANES, body, jnp.zeros((block_q, block_k), jnp.int32))
+
+
+def slot_fold(block_q: int) -> int:
+    """How many slot groups share the 128 lanes of the transposed index block (0: no transposed layout)."""
+    if block_q <= LANES and LANES % block_q == 0:
+        return LANES // block_q
+    return 1 if block_q % LANES == 0 else 0
+
+
+def transpose_slots(idx, fold: int):
+    """[bq, K_p] indices -> [K_p / fold, fold * bq]: column f*bq + t of row r holds idx[t, f * K_p/fold + r], so
+    one row covers every query of the tile on full 128-lane vregs."""
+    width = idx.shape[1] // fold
+    folded = jnp.concatenate([idx[:, f * width:(f + 1) * width] for f in range(fold)], axis=0) if fold > 1 else idx
+    return folded.T
+
+
+# Multiplicity counters packed into one int32 word: COUNTER_FIELDS fields of COUNTER_BITS bits each.
+COUNTER_FIELDS, COUNTER_BITS = 4, 8
+COUNTER_MAX = (1 << COUNTER_BITS) - 1
+
+
+def _multiplicity_transposed(idx_t_ref, base, *, block_q: int, block_k: int, fold: int):
+    """int32 [bq, bk] like `_multiplicity`, from the transposed index block idx_t_ref [K_p/fold, fold*bq].
+
+    Blocks on sublanes, queries on lanes: each slot row is a sublane broadcast of one loaded row (no cross-lane
+    permutes). Four 8-bit counters share an int32 word (block f * bk/4 + w in field f of word w), so each slot row
+    costs bk/4 compare/select/add lanes instead of bk. A slot's word in the tile (-1: not in the tile) and its
+    increment (1 << 8f) are computed on its single loaded row and broadcast. The slot rows are summed in runs of
+    at most 255 rows, so no counter can carry into the next field, and the runs' unpacked counts are added. The
+    [bk, fold*bq] counts are transposed once and the fold groups summed."""
+    rows, lanes = idx_t_ref.shape
+    words = block_k // COUNTER_FIELDS
+    word = lax.broadcasted_iota(jnp.int32, (words, lanes), 0)
+
+    def body(r, acc):
+        local = idx_t_ref[pl.ds(r, 1), :] - base  # [1, lanes]: one vreg of work, shared by the bk/4 words
+        if words & (words - 1) == 0:  # power of two: shift and mask
+            field = lax.shift_right_arithmetic(local, words.bit_length() - 1)
+            position = local & (words - 1)
+        else:
+            field = sum((local >= f * words).astype(jnp.int32) for f in range(1, COUNTER_FIELDS))
+            position = local - field * words
+        key = jnp.where((local >= 0) & (local < block_k), position, -1)
+        step = jnp.left_shift(jnp.int32(1), field * COUNTER_BITS)
+        return acc + jnp.where(jnp.broadcast_to(key, (words, lanes)) == word, jnp.broadcast_to(step, (words, lanes)),
+                               0)
+
+    runs = -(-rows // COUNTER_MAX)
+    run = -(-rows // runs)
+    counts = None
+    for start in range(0, rows, run):
+        packed = lax.fori_loop(start, min(start + run, rows), body, jnp.zeros((words, lanes), jnp.int32),
+                               unroll=True)
+        fields = [lax.shift_right_logical(packed, f * COUNTER_BITS) & COUNTER_MAX for f in range(COUNTER_FIELDS)]
+        unpacked = jnp.concatenate(fields, axis=0)  # [bk, lanes]
+        counts = unpacked if counts is None else counts + unpacked
+    counts = counts.T  # [fold*bq, bk]
+    mult = counts[:block_q]
+    for f in range(1, fold):
+        mult = mult + counts[f * block_q:(f + 1) * block_q]
+    return mult
 
 
 def normalize_slots(head_sum: jax.Array) -> jax.Array:
@@ -102,7 +181,7 @@ def normalize_slots(head_sum: jax.Array) -> jax.Array:
 
 
 def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref, *refs, mode, schedule, nh, layout,
-            group, scale, width_p, cache_weights, normalize):
+            group, scale, width_p, cache_weights, cache_scores, fold, normalize):
     if mode == "per_head":
         lse_ref = None
         out_ref, m_ref, l_ref, f_ref, valid_ref, *extra = refs
@@ -110,6 +189,8 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
         lse_ref, out_ref, m_ref, l_ref, f_ref, valid_ref, *extra = refs
     rows_ref = None if layout.token_major else extra.pop(0)
     weight_ref = extra.pop(0) if cache_weights else None
+    score_ref = extra.pop(0) if cache_scores else None
+    idx_t_ref = extra.pop(0) if fold else None
     nk = schedule.nk
     bq, bk, hc = layout.block_q, schedule.block_k, layout.head_chunk
     two_pass = mode != "full_lse"
@@ -126,6 +207,8 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
 
     @pl.when(step == 0)
     def _():
+        if fold:
+            idx_t_ref[...] = transpose_slots(idx_ref[...], fold)
         if not layout.token_major:
             common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
         if two_pass:
@@ -138,7 +221,10 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
     def compute_weight():
         """log(multiplicity) of each block of the tile among the row's visible slots (-inf: not selected),
         f32 [bq, bk]."""
-        mult = _multiplicity(idx_ref, base, block_q=bq, block_k=bk, width_p=width_p)
+        if fold:
+            mult = _multiplicity_transposed(idx_t_ref, base, block_q=bq, block_k=bk, fold=fold)
+        else:
+            mult = _multiplicity(idx_ref, base, block_q=bq, block_k=bk, width_p=width_p)
         visible = (kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (kmeta_ref[1:2, :] <= qmeta_ref[:, 1:2])
         mult = jnp.where(visible, mult, 0)
         return jnp.where(mult > 0, jnp.log(jnp.maximum(mult, 1).astype(jnp.float32)), -jnp.inf)
@@ -147,6 +233,10 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
         """The tile's weights; with the cache, computed once per (query tile, kv tile) at `first_use`."""
         if weight_ref is None:
             return compute_weight()
+        if first_use is True:
+            weight = compute_weight()
+            weight_ref[k] = weight
+            return weight
 
         @pl.when(first_use)
         def _():
@@ -162,9 +252,11 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
     if two_pass:
         @pl.when(in_pass1 & active)
         def _():
-            weight = slot_weight(c == 0)
+            weight = slot_weight(True if nh == 1 else c == 0)
             z = scores() + layout.expand_mask(weight)  # sum_slots exp(z) = sum_s mult * exp(z)
             common.online_lse_update(m_ref, l_ref, z, LANES)
+            if cache_scores:
+                score_ref[k] = z
 
         @pl.when(step == nk - 1)
         def _():
@@ -175,10 +267,15 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
 
     @pl.when(jnp.logical_not(in_pass1) & active)
     def _():
-        sel = slot_weight(c == 0 if not two_pass else False) >= 0.0  # log(mult) >= 0 where selected
-        z = jnp.where(layout.expand_mask(sel), scores(), -jnp.inf)
-        probs = jnp.sum(jnp.exp(z - f_ref[...]), axis=layout.head_axis)  # [bq, bk]
-        probs = jnp.where(sel, probs, 0.0)
+        weight = slot_weight(c == 0 if not two_pass else False)
+        sel = weight >= 0.0  # log(mult) >= 0 where selected
+        if cache_scores:  # z + log(mult), -inf where not selected: divide the head sum by mult again
+            probs = jnp.sum(jnp.exp(score_ref[k] - f_ref[...]), axis=layout.head_axis)  # [bq, bk]
+            probs = jnp.where(sel, probs * jnp.exp(-jnp.where(sel, weight, 0.0)), 0.0)
+        else:
+            z = jnp.where(layout.expand_mask(sel), scores(), -jnp.inf)
+            probs = jnp.sum(jnp.exp(z - f_ref[...]), axis=layout.head_axis)  # [bq, bk]
+            probs = jnp.where(sel, probs, 0.0)
         marks = sel.astype(jnp.float32)
         src = [(probs[:, j:j + LANES], marks[:, j:j + LANES]) for j in range(0, bk, LANES)]
 
@@ -197,7 +294,7 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
             valid_ref[:, lanes] = jnp.maximum(valid_ref[:, lanes], hit)
             return carry
 
-        lax.fori_loop(0, n_chunks, body, 0)
+        lax.fori_loop(0, n_chunks, body, 0, unroll=True)
 
     @pl.when((c == nh - 1) & (step == at.last_step))
     def _():
@@ -240,7 +337,13 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
     layout = common.row_layout(h, hc, bq, q.dtype)
     steps = 2 * nk if mode != "full_lse" else nk
 
-    step_to_k = (lambda step: step) if mode == "full_lse" else (lambda step: jnp.where(step < nk, step, step - nk))
+    cache_scores = cfg.cache_scores and mode != "full_lse"
+    if mode == "full_lse":
+        step_to_k = lambda step: step
+    elif cache_scores:  # pass 2 reads VMEM: keep the last block resident
+        step_to_k = lambda step: jnp.minimum(step, nk - 1)
+    else:
+        step_to_k = lambda step: jnp.where(step < nk, step, step - nk)
     maps = common.teacher_index_maps(nq=nq, head_chunk=hc, group=group, schedule=schedule, step_to_k=step_to_k)
 
     in_specs = [
@@ -265,9 +368,16 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
     cache_weights = (2 if mode != "full_lse" else 1) * nh > 1 and bq * n_p * 4 <= MAX_WEIGHT_CACHE_BYTES
     if cache_weights:
         scratch.append(pltpu.VMEM((nk, bq, bk), jnp.float32))
+    if cache_scores:
+        scratch.append(pltpu.VMEM((nk, *layout.view, bk), jnp.float32))
+    fold = slot_fold(bq) if bk % (COUNTER_FIELDS * common.SUBLANES) == 0 else 0
+    if fold:
+        scratch.append(pltpu.VMEM((k_p // fold, fold * bq), jnp.int32))
     kernel = functools.partial(_kernel, mode=mode, schedule=schedule, nh=nh, layout=layout, group=group,
-                               scale=scale, width_p=k_p, cache_weights=cache_weights, normalize=normalize)
-    passes = 1 if mode == "full_lse" else 2
+                               scale=scale, width_p=k_p, cache_weights=cache_weights, cache_scores=cache_scores,
+                               fold=fold, normalize=normalize)
+    matmuls = 1 if mode == "full_lse" or cache_scores else 2  # the cached pass 2 re-reads pass 1's scores
+    causal_share = 2 if schedule.causal else 1  # the causal schedule visits about half of the kv tiles
     order = "tok" if layout.token_major else "head"
     return pl.pallas_call(
         kernel,
@@ -282,7 +392,8 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=cfg.vmem_limit_bytes),
-        cost_estimate=pl.CostEstimate(flops=passes * 2 * b * s_p * h * n_p * d, transcendentals=b * s_p * h * n_p,
+        cost_estimate=pl.CostEstimate(flops=matmuls * 2 * b * s_p * h * n_p * d // causal_share,
+                                      transcendentals=b * s_p * h * n_p // causal_share,
                                       bytes_accessed=q.size * q.dtype.itemsize + 2 * b * s_p * k_p * 4),
         interpret=interpret,
         name=f"csa_sparse_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}",
