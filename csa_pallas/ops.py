@@ -220,13 +220,22 @@ def kl_rows(indexer_logits, target_padded, layout: DenseLayout):
                           firsts=layout.firsts, counts=layout.counts, schedule=layout.schedule)
 
 
-def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0,
-                         cfg: Optional[teacher_kernel.TeacherConfig] = None):
-    """Dense-mode loss through the kernels; same contract as `reference.indexer_distill_loss`."""
+def loss_through_kernels(indexer_logits, problem: Problem, *, make_layout, make_target, make_kl_rows,
+                         reduction: str, scale):
+    """The loss driver of both modes: layout -> teacher kernel -> KL kernels -> reduction (XLA).
+
+    make_layout(problem), make_target(problem, layout), make_kl_rows(logits, target, layout) come from `ops`
+    (dense) or `ops_sparse` (sparse); same contract as `reference.indexer_distill_loss`."""
     if problem.num_blocks == 0:  # S_kv < m: no block exists, every row is empty
         rows = jnp.zeros(indexer_logits.shape[:2], jnp.float32)
         return reference.reduce_rows(rows, jnp.zeros(rows.shape, bool), reduction, scale)
-    layout = dense_layout(problem, cfg)
-    target = teacher_padded(problem, layout)
-    rows, nonempty = kl_rows(indexer_logits, target, layout)
+    layout = make_layout(problem)
+    rows, nonempty = make_kl_rows(indexer_logits, make_target(problem, layout), layout)
     return reference.reduce_rows(rows, nonempty, reduction, scale)
+
+
+def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0,
+                         cfg: Optional[teacher_kernel.TeacherConfig] = None):
+    """Dense-mode loss through the kernels; same contract as `reference.indexer_distill_loss`."""
+    return loss_through_kernels(indexer_logits, problem, make_layout=lambda pr: dense_layout(pr, cfg),
+                                make_target=teacher_padded, make_kl_rows=kl_rows, reduction=reduction, scale=scale)

@@ -139,10 +139,6 @@ def kl_rows(indexer_logits, target_padded, layout: SparseLayout):
 def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0,
                          cfg: Optional[teacher_kernel.TeacherConfig] = None):
     """Sparse-mode loss through the kernels; same contract as `reference.indexer_distill_loss`."""
-    if problem.num_blocks == 0:  # S_kv < m: no block exists, every slot is empty
-        rows = jnp.zeros(indexer_logits.shape[:2], jnp.float32)
-        return reference.reduce_rows(rows, jnp.zeros(rows.shape, bool), reduction, scale)
-    layout = sparse_layout(problem, cfg)
-    target = teacher_padded(problem, layout)
-    rows, nonempty = kl_rows(indexer_logits, target, layout)
-    return reference.reduce_rows(rows, nonempty, reduction, scale)
+    return ops.loss_through_kernels(indexer_logits, problem, make_layout=lambda pr: sparse_layout(pr, cfg),
+                                    make_target=teacher_padded, make_kl_rows=kl_rows, reduction=reduction,
+                                    scale=scale)

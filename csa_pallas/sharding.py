@@ -86,7 +86,7 @@ def _axis_size(mesh: Mesh, name: Optional[str]) -> int:
     return 1 if name is None else mesh.shape[name]
 
 
-def _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem: Problem, sequence_dim_name: str) -> MeshAxes:
+def _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem: Problem) -> MeshAxes:
     """Checks the mesh and axis arguments against the problem; raises ValueError/TypeError naming the argument."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -137,7 +137,7 @@ def _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem: Problem, sequence
                          f"sequence shard S/{n_seq}={local_seq} must be a multiple of the mesh axis {head_axis!r} size "
                          f"{n_heads}")
     if n_seq > 1 and problem.window_kv is not None and local_seq < problem.window_size - 1:
-        raise ValueError(f"seq_axis: each of the {n_seq} {sequence_dim_name} shards holds {local_seq} tokens, fewer "
+        raise ValueError(f"seq_axis: each of the {n_seq} sequence shards holds {local_seq} tokens, fewer "
                          f"than the window halo W - 1 = {problem.window_size - 1}; use fewer sequence shards or pass "
                          f"noncompressed_lse")
     return axes
@@ -292,7 +292,7 @@ def _shard_inputs(problem: Problem, axes: MeshAxes, indexer_logits=None):
 
 def _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, arguments: dict):
     problem = api._problem(q, compressed_kv, arguments)
-    axes = _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem, "sequence")
+    axes = _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem)
     return problem, axes
 
 
