@@ -2,13 +2,20 @@
 
 Data flow of `indexer_distill_loss` (dense mode):
 
-  q, compressed_kv, ids ──> [window_lse kernel ─> u] ──> teacher kernel ──> P (f32 [B,S,N], stop-gradient)
-  P, indexer_logits ──> KL forward kernel ──> per-row KL, lse, sum P, non-empty  ──> reduction (XLA)
-  backward: KL backward kernel(P, logits, lse, cotangent) ──> dI;  zeros for every teacher input.
+  q, compressed_kv, ids ──> [window_lse kernel ─> u] ──┐
+  indexer_logits ──────────────────────────────────────┴─> teacher kernel with the KL fused into its last step
+      ──> per-row KL, lse, sum P, non-empty (f32 [B, nq, 8, bq]) ──> reduction (XLA)
+      ──> (under jax.grad) G = softmax_V(I) * sum P - P, logits dtype [B, S, N]: the only saved residual
+  backward: dI = per-row cotangent * G (one XLA multiply); zeros for every teacher input (stop-gradient).
 
-P is saved between forward and backward rather than recomputed: recomputing it would repeat the whole teacher
-(the dominant cost, two matmul passes over [S, N, H, D]) to save one [B, S, N] f32 array, which the memory budget
-(<= 1.25 x that array + 64 MiB temp) already allows.
+What is saved between forward and backward: neither P (f32 [B, S, N]) nor the logits, but G in the logits'
+dtype, written by the forward kernel while P and the student LSE are still in VMEM. Recomputing P would repeat
+the teacher (the dominant cost); saving P costs one f32 [B, S, N] array plus a backward kernel re-reading P and I.
+Saving G halves that array for bf16 logits and leaves the backward a single elementwise multiply. The price is one
+extra rounding of G to the logits' dtype before the multiply (<= 1 ulp of the bf16 gradient; none in f32).
+
+`teacher_distribution` and the sharded loss (`csa_pallas.sharding`) still materialise P: the public op returns
+it, and with heads sharded the head sums must be reduced across devices before the KL.
 """
 
 from __future__ import annotations
@@ -72,12 +79,15 @@ def teacher_mode(problem: Problem) -> str:
     return "full_lse" if problem.full_lse is not None else "joint"
 
 
-def dense_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> DenseLayout:
+def dense_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None,
+                 kl_logits_dtype=None) -> DenseLayout:
+    """kl_logits_dtype: size the default tiles for the fused-KL teacher (the loss path) with logits of that dtype."""
     dtype = compute_dtype(problem.q, problem.compressed_kv)
     if cfg is None:
         cfg = teacher_kernel.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
                                             seq_len=problem.seq_len, num_blocks=problem.num_blocks, dtype=dtype,
-                                            mode=teacher_mode(problem), head_chunk=problem.head_chunk)
+                                            mode=teacher_mode(problem), head_chunk=problem.head_chunk,
+                                            kl_logits_dtype=kl_logits_dtype)
     s_p = common.round_up(problem.seq_len, cfg.block_q)
     n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
     qmeta = common.query_meta(problem.segment_ids, problem.positions, s_p)
@@ -135,8 +145,17 @@ def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig
     return lse
 
 
-def teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True) -> jax.Array:
-    """P, f32 [B, S_p, N_p] (padding rows/columns are zero)."""
+@dataclasses.dataclass(frozen=True)
+class TeacherInputs:
+    """The dense teacher kernel's padded operands (teacher side: stop-gradient)."""
+
+    mode: str
+    q: jax.Array  # [B, S_p, H, D]
+    kv: jax.Array  # [B, N_p, D]
+    lse_in: Optional[jax.Array]  # u or F in the row layout's HBM form; None for per_head
+
+
+def teacher_inputs(problem: Problem, layout: DenseLayout) -> TeacherInputs:
     cfg = layout.cfg
     mode = teacher_mode(problem)
     dtype = compute_dtype(problem.q, problem.compressed_kv)
@@ -152,10 +171,16 @@ def teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True
             stats = noncompressed_lse(problem)
         stats = pad_axis(jax.lax.stop_gradient(stats).astype(jnp.float32), 1, layout.padded_seq)
         lse_in = common.row_layout(problem.num_heads, cfg.head_chunk, cfg.block_q, dtype).stats_to_hbm(stats)
-    target = teacher_kernel.teacher_pallas(q, kv, layout.qmeta, layout.kmeta, layout.firsts, layout.counts, lse_in,
-                                           mode=mode, cfg=cfg, scale=problem.softmax_scale,
-                                           schedule=layout.schedule, normalize=normalize,
-                                           interpret=runtime.interpret_mode())
+    return TeacherInputs(mode, q, kv, lse_in)
+
+
+def teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True) -> jax.Array:
+    """P, f32 [B, S_p, N_p] (padding rows/columns are zero)."""
+    inputs = teacher_inputs(problem, layout)
+    target = teacher_kernel.teacher_pallas(inputs.q, inputs.kv, layout.qmeta, layout.kmeta, layout.firsts,
+                                           layout.counts, inputs.lse_in, mode=inputs.mode, cfg=layout.cfg,
+                                           scale=problem.softmax_scale, schedule=layout.schedule,
+                                           normalize=normalize, interpret=runtime.interpret_mode())
     return jax.lax.stop_gradient(target)
 
 
@@ -220,12 +245,68 @@ def kl_rows(indexer_logits, target_padded, layout: DenseLayout):
                           firsts=layout.firsts, counts=layout.counts, schedule=layout.schedule)
 
 
+@dataclasses.dataclass(frozen=True)
+class _FusedStatic:
+    mode: str
+    cfg: teacher_kernel.TeacherConfig
+    schedule: common.TileSchedule
+    scale: float
+    seq_len: int
+    interpret: object
+    kl_chunk: int = teacher_kernel.FusedKL.chunk
+
+
+def _fused_call(static: _FusedStatic, emit_gradient: bool, logits, q, kv, lse_in, qmeta, kmeta, firsts, counts):
+    kl = teacher_kernel.FusedKL(emit_gradient=emit_gradient, seq_len=static.seq_len, chunk=static.kl_chunk)
+    return teacher_kernel.teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, mode=static.mode,
+                                         cfg=static.cfg, scale=static.scale, schedule=static.schedule, kl=kl,
+                                         logits=logits, interpret=static.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_kl_stats(static: _FusedStatic, logits, q, kv, lse_in, qmeta, kmeta, firsts, counts):
+    """KL statistics f32 [B, nq, 8, bq] of the fused teacher + KL kernel (differentiable wrt logits only)."""
+    (stats,) = _fused_call(static, False, logits, q, kv, lse_in, qmeta, kmeta, firsts, counts)
+    return stats
+
+
+def _fused_kl_stats_fwd(static, logits, q, kv, lse_in, qmeta, kmeta, firsts, counts):
+    stats, grad = _fused_call(static, True, logits, q, kv, lse_in, qmeta, kmeta, firsts, counts)
+    return stats, grad
+
+
+def _fused_kl_stats_bwd(static, grad, cotangent):
+    b, s_p, _ = grad.shape
+    # Only row 0 (the KL) is differentiable; rows 1-3 (lse, sum P, non-empty) are statistics.
+    coef = cotangent[:, :, 0, :].reshape(b, s_p, 1)
+    return ((coef * grad.astype(jnp.float32)).astype(grad.dtype),) + (None,) * 7
+
+
+_fused_kl_stats.defvjp(_fused_kl_stats_fwd, _fused_kl_stats_bwd)
+
+
+def fused_kl_rows(indexer_logits, inputs: TeacherInputs, layout: DenseLayout, problem: Problem,
+                  kl_chunk: int = teacher_kernel.FusedKL.chunk):
+    """Dense mode: per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S] from the
+    teacher kernel with the fused KL (P stays in VMEM). kl_chunk: lanes per epilogue step (see `FusedKL`)."""
+    b, s, _ = indexer_logits.shape
+    logits = pad_axis(pad_axis(indexer_logits, 1, layout.padded_seq), 2, layout.padded_blocks)
+    static = _FusedStatic(inputs.mode, layout.cfg, layout.schedule, problem.softmax_scale, problem.seq_len,
+                          runtime.interpret_mode(), kl_chunk)
+    stats = _fused_kl_stats(static, logits, inputs.q, inputs.kv, inputs.lse_in, layout.qmeta, layout.kmeta,
+                            layout.firsts, layout.counts)
+    rows = stats[:, :, 0, :].reshape(b, -1)[:, :s]
+    nonempty = jax.lax.stop_gradient(stats[:, :, 3, :].reshape(b, -1)[:, :s]) > 0
+    return rows, nonempty
+
+
 def loss_through_kernels(indexer_logits, problem: Problem, *, make_layout, make_target, make_kl_rows,
                          reduction: str, scale):
-    """The loss driver of both modes: layout -> teacher kernel -> KL kernels -> reduction (XLA).
+    """The loss driver of both modes: layout -> teacher -> KL -> reduction (XLA).
 
-    make_layout(problem), make_target(problem, layout), make_kl_rows(logits, target, layout) come from `ops`
-    (dense) or `ops_sparse` (sparse); same contract as `reference.indexer_distill_loss`."""
+    make_layout(problem), make_target(problem, layout) (P, or the fused kernel's inputs) and
+    make_kl_rows(logits, target, layout) come from `ops` (dense) or `ops_sparse` (sparse); same contract as
+    `reference.indexer_distill_loss`."""
     if problem.num_blocks == 0:  # S_kv < m: no block exists, every row is empty
         rows = jnp.zeros(indexer_logits.shape[:2], jnp.float32)
         return reference.reduce_rows(rows, jnp.zeros(rows.shape, bool), reduction, scale)
@@ -236,6 +317,10 @@ def loss_through_kernels(indexer_logits, problem: Problem, *, make_layout, make_
 
 def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0,
                          cfg: Optional[teacher_kernel.TeacherConfig] = None):
-    """Dense-mode loss through the kernels; same contract as `reference.indexer_distill_loss`."""
-    return loss_through_kernels(indexer_logits, problem, make_layout=lambda pr: dense_layout(pr, cfg),
-                                make_target=teacher_padded, make_kl_rows=kl_rows, reduction=reduction, scale=scale)
+    """Dense-mode loss through the fused teacher + KL kernel; same contract as `reference.indexer_distill_loss`."""
+    return loss_through_kernels(
+        indexer_logits, problem,
+        make_layout=lambda pr: dense_layout(pr, cfg, kl_logits_dtype=indexer_logits.dtype),
+        make_target=teacher_inputs,
+        make_kl_rows=lambda logits, inputs, layout: fused_kl_rows(logits, inputs, layout, problem),
+        reduction=reduction, scale=scale)

@@ -194,3 +194,59 @@ def test_default_implementation_is_pallas_for_dense_mode():
     problem = validation.validate(arrays["q"], arrays["compressed_kv"], window_kv=arrays["window_kv"])
     from csa_pallas import api
     assert api.choose_implementation(problem) == "pallas"
+
+
+def _fused_rows_program(problem, *, kl_chunk, cfg):
+    """Per-row KL of the fused teacher + KL kernel and its logits gradient (weighted rows), jitted."""
+    from csa_pallas import ops
+
+    def rows(logits):
+        layout = ops.dense_layout(problem, cfg)
+        rows, _ = ops.fused_kl_rows(logits, ops.teacher_inputs(problem, layout), layout, problem, kl_chunk=kl_chunk)
+        return rows
+
+    weights = jax.random.uniform(jax.random.PRNGKey(1), (problem.batch, problem.seq_len))
+    weighted = lambda x: jnp.sum(weights * rows(x))
+    return jax.jit(lambda x: (rows(x), jax.grad(weighted)(x)))
+
+
+@pytest.mark.parametrize("num_docs", [1, 3])
+def test_fused_kl_in_lane_chunks_matches_reference(num_docs):
+    # N_p = 512 in 128-lane chunks: the two-sweep epilogue (running student LSE across chunks, dynamic lane
+    # offsets), causal iota masks (one document) and metadata masks (packing), padding rows past S.
+    arrays = make_case(13, seq=1100, heads=2, head_dim=32, num_docs=num_docs)
+    kwargs = {k: arrays[k] for k in ("segment_ids", "positions") if k in arrays}
+    problem = validation.validate(arrays["q"], arrays["compressed_kv"], target="per_head", **kwargs)
+    cfg = TeacherConfig(block_q=64, block_k=256, head_chunk=2, cache_scores=True, vmem_limit_bytes=32 << 20)
+    got_rows, got_grad = _fused_rows_program(problem, kl_chunk=128, cfg=cfg)(arrays["logits"])
+    one_rows, one_grad = _fused_rows_program(problem, kl_chunk=4096, cfg=cfg)(arrays["logits"])
+    weights = jax.random.uniform(jax.random.PRNGKey(1), (problem.batch, problem.seq_len))
+    want_rows = reference.indexer_distill_loss(arrays["logits"], problem, reduction="none")
+    want_grad = jax.grad(lambda x: jnp.sum(weights * reference.indexer_distill_loss(x, problem, reduction="none")))(
+        arrays["logits"])
+    for rows, grad in ((got_rows, got_grad), (one_rows, one_grad)):
+        np.testing.assert_allclose(rows, want_rows, rtol=1e-5, atol=1e-6)
+        scale = float(np.max(np.abs(want_grad)))
+        np.testing.assert_allclose(np.asarray(grad) / scale, np.asarray(want_grad) / scale, atol=1e-5, rtol=0)
+    assert np.all(np.asarray(got_grad)[:, :3] == 0)  # rows t <= m - 2 see no block
+
+
+def test_bf16_logits_gradient_is_the_rounded_f32_gradient():
+    # The forward saves G in the logits' dtype; the backward multiplies by the row cotangent and rounds again:
+    # at most one bf16 ulp from the f32 gradient rounded once.
+    arrays = make_case(14, seq=200, heads=4, head_dim=32, num_docs=2)
+    kwargs = {k: arrays[k] for k in ("window_kv", "sinks", "segment_ids", "positions")}
+    logits = arrays["logits"].astype(jnp.bfloat16)
+
+    def loss(x, implementation):
+        return csa_pallas.indexer_distill_loss(x, arrays["q"], arrays["compressed_kv"], window_size=16, scale=0.3,
+                                               implementation=implementation, **kwargs)
+
+    got_loss, got = jax.jit(jax.value_and_grad(lambda x: loss(x, "pallas")))(logits)
+    want_loss, want = jax.value_and_grad(lambda x: loss(x, "xla"))(logits.astype(jnp.float32))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    ulp = np.abs(np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32)) * 2.0 ** -7
+    assert np.all(np.abs(got - want) <= ulp + 1e-12)
+    assert np.any(got != 0)

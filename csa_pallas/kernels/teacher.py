@@ -86,8 +86,10 @@ def padded_blocks(num_blocks: int, block_k: int) -> int:
     return common.round_up(max(num_blocks, 1), block_k)
 
 
-def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks: int, dtype, mode: str) -> int:
-    """Upper estimate of the kernel's VMEM use: double-buffered blocks, scratch and f32 temporaries."""
+def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks: int, dtype, mode: str,
+               kl_logits_dtype=None) -> int:
+    """Upper estimate of the kernel's VMEM use: double-buffered blocks, scratch and f32 temporaries.
+    kl_logits_dtype: the fused-KL variant (`FusedKL`) with logits of that dtype."""
     isz = jnp.dtype(dtype).itemsize
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     g = common.head_group(num_heads, hc, dtype)
@@ -105,11 +107,18 @@ def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks:
     # f32 score-sized temporaries live at once in Mosaic's allocation: scores, masked scores, exp, chunks (~5),
     # plus the identity-mask conversion of the stats block.
     temporaries = 5 * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
+    if kl_logits_dtype is not None:
+        # f32 accumulator in scratch instead of the output block; logits in, G out (double-buffered), the key
+        # metadata row, and ~8 f32 [bq, chunk] epilogue temporaries.
+        lsz = jnp.dtype(kl_logits_dtype).itemsize
+        blocks += -2 * bq * n_p * 4 + 4 * bq * n_p * lsz + 2 * common.SUBLANES * n_p * 4
+        scratch += bq * n_p * 4
+        temporaries = max(temporaries, 8 * bq * kl_chunk(n_p, FusedKL.chunk) * 4)
     return blocks + scratch + temporaries
 
 
 def default_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: int, dtype, mode: str,
-                   head_chunk: Optional[int] = None, chip: str = DEFAULT_CHIP) -> TeacherConfig:
+                   head_chunk: Optional[int] = None, chip: str = DEFAULT_CHIP, kl_logits_dtype=None) -> TeacherConfig:
     """Tiles for one problem: R = hc*bq near the chip's target, kv tiles of 256, cached scores when they fit."""
     budget = CHIPS[chip]
     usable = int(budget.vmem_bytes * USABLE_VMEM_FRACTION)
@@ -126,11 +135,33 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: i
                 continue
             cfg = TeacherConfig(block_q, bk, head_chunk, cache, 0)
             need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, num_blocks=num_blocks, dtype=dtype,
-                              mode=mode)
+                              mode=mode, kl_logits_dtype=kl_logits_dtype)
             if need <= usable:
                 limit = min(max(int(need * 1.25) + 4 * MiB, 32 * MiB), budget.vmem_bytes - VMEM_HEADROOM)
                 return dataclasses.replace(cfg, vmem_limit_bytes=limit)
     return TeacherConfig(16, bk, head_chunk, False, budget.vmem_bytes - VMEM_HEADROOM)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedKL:
+    """The KL forward fused into the teacher's last step (the loss path): instead of P the kernel writes per-row KL
+    statistics and, with emit_gradient, G = softmax_V(I) * sum P - P (the backward multiplies it by the per-row
+    cotangent). P never reaches HBM.
+
+    seq_len: real query rows (later rows are padding and see nothing). chunk: lanes per epilogue step (a multiple
+    of 128 dividing N_p, or N_p): bounds the epilogue's f32 temporaries to [bq, chunk] whatever N is.
+    """
+
+    emit_gradient: bool
+    seq_len: int
+    chunk: int = 2048
+
+
+KL_STAT_ROWS = 8  # row 0 KL, row 1 lse, row 2 sum P, row 3 non-empty; the layout of `kl.kl_forward_pallas`
+
+
+def kl_chunk(n_p: int, chunk: int) -> int:
+    return n_p if n_p <= chunk else max(c for c in range(128, chunk + 1, 128) if n_p % c == 0)
 
 
 def normalize_rows(head_sum: jax.Array) -> jax.Array:
@@ -140,14 +171,19 @@ def normalize_rows(head_sum: jax.Array) -> jax.Array:
 
 
 def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, schedule, nh,
-            layout, group, scale, normalize):
-    if mode == "per_head":
-        lse_ref = None
-        out_ref, m_ref, l_ref, f_ref, *extra = refs
+            layout, group, scale, normalize, kl: Optional["FusedKL"] = None):
+    refs = list(refs)
+    lse_ref = None if mode == "per_head" else refs.pop(0)
+    if kl is None:
+        out_ref = refs.pop(0)  # the head sum accumulates in the resident output block
     else:
-        lse_ref, out_ref, m_ref, l_ref, f_ref, *extra = refs
+        logits_ref, krow_ref, stats_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+        grad_ref = refs.pop(0) if kl.emit_gradient else None
+    m_ref, l_ref, f_ref, *extra = refs
     rows_ref = None if layout.token_major else extra.pop(0)
-    cache_ref = extra[0] if cache_scores else None
+    cache_ref = extra.pop(0) if cache_scores else None
+    if kl is not None:
+        out_ref = extra.pop(0)  # f32 head-sum accumulator [bq, N_p] in scratch: the outputs are KL stats and dI
     bq, bk, hc = layout.block_q, schedule.block_k, layout.head_chunk
     lanes = min(common.LANES, bk)
     two_pass = mode != "full_lse"
@@ -262,7 +298,11 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         when_active(jnp.logical_not(in_pass1) & (k == 0), functools.partial(pass2, True))
         when_active(jnp.logical_not(in_pass1) & (k > 0), functools.partial(pass2, False))
 
-    if normalize:
+    if kl is not None:
+        @pl.when((c == nh - 1) & (step == at.last_step))
+        def _():
+            _kl_epilogue(kl, out_ref, logits_ref, qmeta_ref, krow_ref, stats_ref, grad_ref, qi=qi, schedule=schedule)
+    elif normalize:
         @pl.when((c == nh - 1) & (step == at.last_step))
         def _():
             acc = out_ref[...]
@@ -270,8 +310,93 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             out_ref[...] = acc / jnp.maximum(total, common.F32_TINY)
 
 
+def _kl_epilogue(kl: FusedKL, acc_ref, logits_ref, qmeta_ref, krow_ref, stats_ref, grad_ref, *, qi,
+                 schedule: common.TileSchedule):
+    """KL(P || softmax_V(I)) of one query tile from its head sum acc [bq, N_p] (SPEC §4).
+
+    One sweep when N_p fits one chunk (the exponentials of the student serve its LSE and G); otherwise a sweep for
+    the student LSE and the teacher's row mass, then one for the KL terms and G. Entries outside V(t) hold an
+    exact 0 in acc (masked scores), so only the logits need masking; padding and empty rows get a zero row
+    scale, which zeroes their P without a per-element select.
+    """
+    bq, n_p = acc_ref.shape
+    width = kl_chunk(n_p, kl.chunk)
+    nchunks = n_p // width
+    column = lambda value: jnp.full((bq, 1), value, jnp.float32)
+    row_sum = lambda x: jnp.sum(x, axis=1, keepdims=True)
+    row_max = lambda x: jnp.max(x, axis=1, keepdims=True)
+
+    if schedule.causal:  # row t sees blocks j < limit[t] (complete blocks, real rows only)
+        t = qi * schedule.block_q + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+        limit = jnp.minimum(common.index_div(t + 1, schedule.ratio), schedule.num_blocks)
+        limit = jnp.where(t < kl.seq_len, limit, 0)
+        causal_nonempty = limit > 0
+
+    def chunk_at(j):
+        start = pl.multiple_of(j * width, width) if nchunks > 1 else 0
+        if schedule.causal:
+            visible = start + lax.broadcasted_iota(jnp.int32, (bq, width), 1) < limit
+        else:
+            segment = krow_ref[0:1, pl.ds(start, width)]
+            end = krow_ref[1:2, pl.ds(start, width)]
+            visible = (segment == qmeta_ref[:, 0:1]) & (end <= qmeta_ref[:, 1:2])
+        logits = jnp.where(visible, logits_ref[:, pl.ds(start, width)].astype(jnp.float32), -jnp.inf)
+        return start, visible, logits, acc_ref[:, pl.ds(start, width)]
+
+    def row_scales(top, exp_sum, total, nonempty):
+        lse = jnp.where(nonempty, top + jnp.log(jnp.maximum(exp_sum, common.F32_TINY)), 0.0)
+        inv_total = jnp.where(nonempty, 1.0 / jnp.maximum(total, common.F32_TINY), 0.0)
+        return lse, inv_total, total * inv_total  # sum P: 1, or 0 on a row whose teacher saw nothing
+
+    def kl_terms(prob, logits, lse):
+        positive = prob > 0  # implies t sees the block, so logits is finite there
+        return row_sum(jnp.where(positive, prob * (jnp.log(prob) - logits + lse), 0.0))
+
+    if nchunks == 1:
+        _, visible, logits, head_sum = chunk_at(0)
+        nonempty = causal_nonempty if schedule.causal else row_max(visible.astype(jnp.float32)) > 0
+        top = jnp.where(nonempty, row_max(logits), 0.0)
+        e = jnp.exp(logits - top)  # 0 outside V(t)
+        exp_sum = row_sum(e)
+        lse, inv_total, mass = row_scales(top, exp_sum, row_sum(head_sum), nonempty)
+        prob = head_sum * inv_total
+        kl_rows = kl_terms(prob, logits, lse)
+        if grad_ref is not None:
+            # d KL / d I = softmax_V(I) * sum P - P: the exact derivative of the KL computed here (SPEC §5's Q - P
+            # whenever the teacher row has mass 1); 0 outside V(t), where e and P are 0.
+            grad_ref[...] = (e * (mass / jnp.maximum(exp_sum, common.F32_TINY)) - prob).astype(grad_ref.dtype)
+    else:
+        def stats_step(j, carry):
+            top, exp_sum, total, count = carry
+            _, visible, logits, head_sum = chunk_at(j)
+            new_top = jnp.maximum(top, row_max(logits))
+            exp_sum = exp_sum * jnp.exp(top - new_top) + row_sum(jnp.exp(logits - new_top))
+            return new_top, exp_sum, total + row_sum(head_sum), count + row_sum(visible.astype(jnp.float32))
+
+        top, exp_sum, total, count = lax.fori_loop(
+            0, nchunks, stats_step, (column(common.STAT_FLOOR), column(0.0), column(0.0), column(0.0)))
+        nonempty = causal_nonempty if schedule.causal else count > 0
+        lse, inv_total, mass = row_scales(top, exp_sum, total, nonempty)
+
+        def kl_step(j, kl_sum):
+            start, _, logits, head_sum = chunk_at(j)
+            prob = head_sum * inv_total
+            if grad_ref is not None:
+                grad = jnp.exp(logits - lse) * mass - prob
+                grad_ref[:, pl.ds(start, width)] = grad.astype(grad_ref.dtype)
+            return kl_sum + kl_terms(prob, logits, lse)
+
+        kl_rows = lax.fori_loop(0, nchunks, kl_step, column(0.0))
+    kl_rows = jnp.where(nonempty, kl_rows, 0.0)
+    zeros = jnp.zeros_like(kl_rows)
+    cols = jnp.concatenate([kl_rows, lse, mass, nonempty.astype(jnp.float32)] + [zeros] * (KL_STAT_ROWS - 4),
+                           axis=0)
+    stats_ref[...] = common.column_to_rows(cols, KL_STAT_ROWS)
+
+
 def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cfg: TeacherConfig, scale: float,
-                   schedule: common.TileSchedule, normalize: bool = True, interpret=False):
+                   schedule: common.TileSchedule, normalize: bool = True, kl: Optional[FusedKL] = None,
+                   logits=None, interpret=False):
     """Runs the dense teacher kernel on padded, prepared inputs.
 
     Args:
@@ -284,9 +409,12 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
       mode: "per_head" | "joint" | "full_lse".
       normalize: False returns the head sum sum_h pi_h unnormalised (heads sharded over devices: the caller sums
         the shards' partial sums, then normalises once with `normalize_rows`).
+      kl, logits: the fused KL (the loss path): logits I [B, S_p, N_p] (any float dtype, padding anything).
 
     Returns:
-      P, f32 [B, S_p, N_p], rows L1-normalised (0 outside V(t) and on empty rows).
+      P, f32 [B, S_p, N_p], rows L1-normalised (0 outside V(t) and on empty rows). With `kl`: the KL statistics
+      f32 [B, nq, 8, bq] (row 0 KL, row 1 student lse, row 2 sum P, row 3 non-empty; 0 on empty and padding rows)
+      and, with kl.emit_gradient, G = softmax_V(I) * sum P - P in the logits' dtype [B, S_p, N_p] (0 outside V).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -319,6 +447,19 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     if mode != "per_head":
         in_specs.append(pl.BlockSpec((None, None, None, *layout.view), maps["lse"]))
         operands.append(lse_in)
+    out_specs = pl.BlockSpec((None, bq, n_p), maps["row"])
+    out_shape = jax.ShapeDtypeStruct((b, s_p, n_p), jnp.float32)
+    if kl is not None:
+        batch_of = lambda p, c, step, firsts_ref, counts_ref: common.index_div(p, nq)
+        krow = (pl.BlockSpec(memory_space=pl.ANY) if schedule.causal
+                else pl.BlockSpec((None, common.SUBLANES, n_p), lambda *ids: (batch_of(*ids), 0, 0)))
+        in_specs += [pl.BlockSpec((None, bq, n_p), maps["row"]), krow]
+        operands += [logits, kmeta]
+        out_specs = [pl.BlockSpec((None, None, KL_STAT_ROWS, bq), lambda *ids: (*maps["row"](*ids)[:2], 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, nq, KL_STAT_ROWS, bq), jnp.float32)]
+        if kl.emit_gradient:
+            out_specs.append(pl.BlockSpec((None, bq, n_p), maps["row"]))
+            out_shape.append(jax.ShapeDtypeStruct((b, s_p, n_p), logits.dtype))
     lanes = min(common.LANES, bk)
     scratch = [
         pltpu.VMEM((*layout.view, lanes), jnp.float32),
@@ -329,8 +470,10 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
     if cached:
         scratch.append(pltpu.VMEM((nk, *layout.view, bk), jnp.float32))
+    if kl is not None:
+        scratch.append(pltpu.VMEM((bq, n_p), jnp.float32))
     kernel = functools.partial(_kernel, mode=mode, cache_scores=cached, schedule=schedule, nh=nh, layout=layout,
-                               group=group, scale=scale, normalize=normalize)
+                               group=group, scale=scale, normalize=normalize, kl=kl)
     flops = 2 * b * s_p * h * n_p * d * (1 if cached or mode == "full_lse" else 2)
     order = "tok" if layout.token_major else "head"
     return pl.pallas_call(
@@ -339,15 +482,15 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
             num_scalar_prefetch=2,
             grid=(b * nq, nh, steps),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, bq, n_p), maps["row"]),
+            out_specs=out_specs,
             scratch_shapes=scratch,
         ),
-        out_shape=jax.ShapeDtypeStruct((b, s_p, n_p), jnp.float32),
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=flops // 2, transcendentals=b * s_p * h * n_p,
                                       bytes_accessed=q.size * q.dtype.itemsize + b * s_p * n_p * 4),
         interpret=interpret,
-        name=f"csa_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}{'_cached' if cached else ''}",
+        name=f"csa_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}{'_cached' if cached else ''}{'_kl' if kl else ''}",
     )(firsts, counts, *operands)
