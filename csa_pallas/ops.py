@@ -14,8 +14,9 @@ the teacher (the dominant cost); saving P costs one f32 [B, S, N] array plus a b
 Saving G halves that array for bf16 logits and leaves the backward a single elementwise multiply. The price is one
 extra rounding of G to the logits' dtype before the multiply (<= 1 ulp of the bf16 gradient; none in f32).
 
-`teacher_distribution` and the sharded loss (`csa_pallas.sharding`) still materialise P: the public op returns
-it, and with heads sharded the head sums must be reduced across devices before the KL.
+`teacher_distribution`, sparse mode and the heads-sharded loss (`csa_pallas.sharding`) still materialise P and
+use the stand-alone KL kernels (`_kl_stats`): the public op returns P, and with heads sharded the head sums must
+be reduced across devices before the KL.
 """
 
 from __future__ import annotations
