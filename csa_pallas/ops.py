@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -247,7 +247,11 @@ def kl_rows(indexer_logits, target_padded, layout: DenseLayout):
 
 
 @dataclasses.dataclass(frozen=True)
-class _FusedStatic:
+class FusedStatic:
+    """Static arguments of the fused teacher + KL custom_vjp. run(static, kl, logits, operands) launches the
+    teacher kernel (dense or sparse) with `kl` (a `teacher.FusedKL`) and returns its outputs."""
+
+    run: Callable
     mode: str
     cfg: teacher_kernel.TeacherConfig
     schedule: common.TileSchedule
@@ -256,23 +260,21 @@ class _FusedStatic:
     interpret: object
     kl_chunk: int = teacher_kernel.FusedKL.chunk
 
-
-def _fused_call(static: _FusedStatic, emit_gradient: bool, logits, q, kv, lse_in, qmeta, kmeta, firsts, counts):
-    kl = teacher_kernel.FusedKL(emit_gradient=emit_gradient, seq_len=static.seq_len, chunk=static.kl_chunk)
-    return teacher_kernel.teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, mode=static.mode,
-                                         cfg=static.cfg, scale=static.scale, schedule=static.schedule, kl=kl,
-                                         logits=logits, interpret=static.interpret)
+    def launch(self, emit_gradient: bool, logits, operands):
+        kl = teacher_kernel.FusedKL(emit_gradient=emit_gradient, seq_len=self.seq_len, chunk=self.kl_chunk)
+        return self.run(self, kl, logits, operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused_kl_stats(static: _FusedStatic, logits, q, kv, lse_in, qmeta, kmeta, firsts, counts):
-    """KL statistics f32 [B, nq, 8, bq] of the fused teacher + KL kernel (differentiable wrt logits only)."""
-    (stats,) = _fused_call(static, False, logits, q, kv, lse_in, qmeta, kmeta, firsts, counts)
+def _fused_kl_stats(static: FusedStatic, logits, operands):
+    """KL statistics f32 [B, nq, 8, bq] of a fused teacher + KL kernel (differentiable wrt logits only; the
+    teacher operands are constants)."""
+    (stats,) = static.launch(False, logits, operands)
     return stats
 
 
-def _fused_kl_stats_fwd(static, logits, q, kv, lse_in, qmeta, kmeta, firsts, counts):
-    stats, grad = _fused_call(static, True, logits, q, kv, lse_in, qmeta, kmeta, firsts, counts)
+def _fused_kl_stats_fwd(static, logits, operands):
+    stats, grad = static.launch(True, logits, operands)
     return stats, grad
 
 
@@ -280,25 +282,39 @@ def _fused_kl_stats_bwd(static, grad, cotangent):
     b, s_p, _ = grad.shape
     # Only row 0 (the KL) is differentiable; rows 1-3 (lse, sum P, non-empty) are statistics.
     coef = cotangent[:, :, 0, :].reshape(b, s_p, 1)
-    return ((coef * grad.astype(jnp.float32)).astype(grad.dtype),) + (None,) * 7
+    return (coef * grad.astype(jnp.float32)).astype(grad.dtype), None
 
 
 _fused_kl_stats.defvjp(_fused_kl_stats_fwd, _fused_kl_stats_bwd)
 
 
-def fused_kl_rows(indexer_logits, inputs: TeacherInputs, layout: DenseLayout, problem: Problem,
-                  kl_chunk: int = teacher_kernel.FusedKL.chunk):
-    """Dense mode: per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S] from the
-    teacher kernel with the fused KL (P stays in VMEM). kl_chunk: lanes per epilogue step (see `FusedKL`)."""
+def fused_rows(indexer_logits, static: FusedStatic, operands, *, padded_seq: int, padded_width: int):
+    """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S] from a fused
+    teacher + KL kernel (shared by dense and sparse mode)."""
     b, s, _ = indexer_logits.shape
-    logits = pad_axis(pad_axis(indexer_logits, 1, layout.padded_seq), 2, layout.padded_blocks)
-    static = _FusedStatic(inputs.mode, layout.cfg, layout.schedule, problem.softmax_scale, problem.seq_len,
-                          runtime.interpret_mode(), kl_chunk)
-    stats = _fused_kl_stats(static, logits, inputs.q, inputs.kv, inputs.lse_in, layout.qmeta, layout.kmeta,
-                            layout.firsts, layout.counts)
+    logits = pad_axis(pad_axis(indexer_logits, 1, padded_seq), 2, padded_width)
+    stats = _fused_kl_stats(static, logits, operands)
     rows = stats[:, :, 0, :].reshape(b, -1)[:, :s]
     nonempty = jax.lax.stop_gradient(stats[:, :, 3, :].reshape(b, -1)[:, :s]) > 0
     return rows, nonempty
+
+
+def _run_dense(static: FusedStatic, kl, logits, operands):
+    q, kv, lse_in, qmeta, kmeta, firsts, counts = operands
+    return teacher_kernel.teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, mode=static.mode,
+                                         cfg=static.cfg, scale=static.scale, schedule=static.schedule, kl=kl,
+                                         logits=logits, interpret=static.interpret)
+
+
+def fused_kl_rows(indexer_logits, inputs: TeacherInputs, layout: DenseLayout, problem: Problem,
+                  kl_chunk: int = teacher_kernel.FusedKL.chunk):
+    """Dense mode: per-row KL [B, S] and non-empty mask [B, S] from the teacher kernel with the fused KL (P stays
+    in VMEM). kl_chunk: lanes per epilogue step (see `FusedKL`)."""
+    static = FusedStatic(_run_dense, inputs.mode, layout.cfg, layout.schedule, problem.softmax_scale,
+                         problem.seq_len, runtime.interpret_mode(), kl_chunk)
+    operands = (inputs.q, inputs.kv, inputs.lse_in, layout.qmeta, layout.kmeta, layout.firsts, layout.counts)
+    return fused_rows(indexer_logits, static, operands, padded_seq=layout.padded_seq,
+                      padded_width=layout.padded_blocks)
 
 
 def loss_through_kernels(indexer_logits, problem: Problem, *, make_layout, make_target, make_kl_rows,

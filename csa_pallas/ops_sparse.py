@@ -63,12 +63,14 @@ def _tile_need(problem: Problem, qmeta, kmeta, cfg, s_p: int, n_p: int):
     return need & overlap
 
 
-def sparse_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> SparseLayout:
+def sparse_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None,
+                  kl_logits_dtype=None) -> SparseLayout:
+    """kl_logits_dtype: size the default tiles for the fused-KL kernel (the loss path)."""
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
     cfg = sparse_teacher.sparse_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
                                        seq_len=problem.seq_len, num_blocks=problem.num_blocks,
                                        width=problem.width, dtype=dtype, mode=ops.teacher_mode(problem),
-                                       head_chunk=problem.head_chunk, cfg=cfg)
+                                       head_chunk=problem.head_chunk, cfg=cfg, kl_logits_dtype=kl_logits_dtype)
     s_p = common.round_up(problem.seq_len, cfg.block_q)
     n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
     k_p = common.round_up(problem.width, common.LANES)
@@ -83,8 +85,8 @@ def sparse_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] 
                         padded_seq=s_p, padded_blocks=n_p, padded_width=k_p)
 
 
-def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = True) -> jax.Array:
-    """P' f32 [B, S_p, K_p]: slot-order target on valid slots, -1 on empty slots (and padding)."""
+def teacher_inputs(problem: Problem, layout: SparseLayout):
+    """(mode, q, kv, idx, lse_in): the sparse teacher kernel's padded operands (stop-gradient)."""
     cfg = layout.cfg
     mode = ops.teacher_mode(problem)
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
@@ -102,8 +104,14 @@ def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = Tru
             stats = ops.noncompressed_lse(problem)
         stats = ops.pad_axis(jax.lax.stop_gradient(stats).astype(jnp.float32), 1, layout.padded_seq)
         lse_in = common.row_layout(problem.num_heads, cfg.head_chunk, cfg.block_q, dtype).stats_to_hbm(stats)
+    return mode, q, kv, idx, lse_in
+
+
+def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = True) -> jax.Array:
+    """P' f32 [B, S_p, K_p]: slot-order target on valid slots, -1 on empty slots (and padding)."""
+    mode, q, kv, idx, lse_in = teacher_inputs(problem, layout)
     target = sparse_teacher.sparse_teacher_pallas(q, kv, layout.qmeta, layout.kmeta, idx, layout.tiles,
-                                                  layout.counts, lse_in, mode=mode, cfg=cfg,
+                                                  layout.counts, lse_in, mode=mode, cfg=layout.cfg,
                                                   scale=problem.softmax_scale, schedule=layout.schedule,
                                                   normalize=normalize, interpret=runtime.interpret_mode())
     return jax.lax.stop_gradient(target)
@@ -136,9 +144,32 @@ def kl_rows(indexer_logits, target_padded, layout: SparseLayout):
                               schedule=schedule, target_mask=True)
 
 
+def _run_sparse(static: ops.FusedStatic, kl, logits, operands):
+    q, kv, idx, lse_in, qmeta, kmeta, tiles, counts = operands
+    return sparse_teacher.sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, mode=static.mode,
+                                                cfg=static.cfg, scale=static.scale, schedule=static.schedule,
+                                                kl=kl, logits=logits, interpret=static.interpret)
+
+
+def fused_kl_rows(indexer_logits, problem: Problem, layout: SparseLayout,
+                  kl_chunk: int = teacher_kernel.FusedKL.chunk):
+    """Per-row KL over the K slots [B, S] and the non-empty mask [B, S] from the sparse teacher kernel with the
+    fused KL (P stays in VMEM; V(t) = the row's valid slots)."""
+    mode, q, kv, idx, lse_in = teacher_inputs(problem, layout)
+    static = ops.FusedStatic(_run_sparse, mode, layout.cfg, layout.schedule, problem.softmax_scale,
+                             problem.seq_len, runtime.interpret_mode(), kl_chunk)
+    operands = (q, kv, idx, lse_in, layout.qmeta, layout.kmeta, layout.tiles, layout.counts)
+    return ops.fused_rows(indexer_logits, static, operands, padded_seq=layout.padded_seq,
+                          padded_width=layout.padded_width)
+
+
 def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0,
                          cfg: Optional[teacher_kernel.TeacherConfig] = None):
-    """Sparse-mode loss through the kernels; same contract as `reference.indexer_distill_loss`."""
-    return ops.loss_through_kernels(indexer_logits, problem, make_layout=lambda pr: sparse_layout(pr, cfg),
-                                    make_target=teacher_padded, make_kl_rows=kl_rows, reduction=reduction,
-                                    scale=scale)
+    """Sparse-mode loss through the fused sparse teacher + KL kernel; same contract as
+    `reference.indexer_distill_loss`."""
+    return ops.loss_through_kernels(
+        indexer_logits, problem,
+        make_layout=lambda pr: sparse_layout(pr, cfg, kl_logits_dtype=indexer_logits.dtype),
+        make_target=lambda pr, layout: pr,
+        make_kl_rows=lambda logits, pr, layout: fused_kl_rows(logits, pr, layout), reduction=reduction,
+        scale=scale)

@@ -354,11 +354,14 @@ def sharded_indexer_distill_loss(
     arrays, specs = _shard_inputs(problem, axes, indexer_logits)
 
     def per_shard(local):
-        if axes.heads is None and not problem.sparse:  # every row's head sum is local: the fused teacher + KL
-            from csa_pallas import ops
-            shard = _local_problem(local, problem, axes, num_seq_shards)
-            layout = ops.dense_layout(shard, kl_logits_dtype=local["logits"].dtype)
-            return ops.fused_kl_rows(local["logits"], ops.teacher_inputs(shard, layout), layout, shard)
+        if axes.heads is None:  # every row's head sum is local: the fused teacher + KL kernel
+            from csa_pallas import ops, ops_sparse
+            shard, logits = _local_problem(local, problem, axes, num_seq_shards), local["logits"]
+            if shard.sparse:
+                layout = ops_sparse.sparse_layout(shard, kl_logits_dtype=logits.dtype)
+                return ops_sparse.fused_kl_rows(logits, shard, layout)
+            layout = ops.dense_layout(shard, kl_logits_dtype=logits.dtype)
+            return ops.fused_kl_rows(logits, ops.teacher_inputs(shard, layout), layout, shard)
         target, layout, path, _ = _local_target(local, problem, axes, num_seq_shards, num_head_shards)
         return path.kl_rows(local["logits"], target, layout)
 

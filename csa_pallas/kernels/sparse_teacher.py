@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -66,10 +67,12 @@ MAX_WEIGHT_CACHE_BYTES = 8 * MiB
 
 
 def sparse_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: int, width: int, dtype, mode: str,
-                  head_chunk=None, cfg: dense_teacher.TeacherConfig = None) -> dense_teacher.TeacherConfig:
+                  head_chunk=None, cfg: dense_teacher.TeacherConfig = None,
+                  kl_logits_dtype=None) -> dense_teacher.TeacherConfig:
     """The dense teacher's tiling with kv tiles of a multiple of 128 lanes (the lane gather works per 128-lane
     chunk) and VMEM for the [bq, K_p] index/output blocks, the transposed index block, the multiplicity
-    temporaries and the weight cache; the score cache only when all of that still fits in VMEM."""
+    temporaries and the weight cache; the score cache only when all of that still fits in VMEM.
+    kl_logits_dtype: the fused-KL variant (logits in, G out, epilogue temporaries)."""
     if cfg is None:
         cfg = dense_teacher.default_config(num_heads=num_heads, head_dim=head_dim, seq_len=seq_len,
                                            num_blocks=max(num_blocks, 129), dtype=dtype, mode=mode,
@@ -80,6 +83,9 @@ def sparse_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: in
         cache = cfg.block_q * n_p * 4
         extra = 7 * cfg.block_q * k_p * 4 + 8 * cfg.block_q * bk * 4
         extra += cache if cache <= MAX_WEIGHT_CACHE_BYTES else 0
+        if kl_logits_dtype is not None:
+            lsz = jnp.dtype(kl_logits_dtype).itemsize
+            extra += 4 * cfg.block_q * k_p * lsz + 8 * cfg.block_q * dense_teacher.kl_chunk(k_p, 2048) * 4
         if cfg.cache_scores:
             # The dense calculator is an upper estimate (the Flash shape: 59 MiB + 1.7 MiB extra compiles under
             # 64 MiB), so compare against the physical VMEM rather than its usable fraction.
@@ -181,16 +187,22 @@ def normalize_slots(head_sum: jax.Array) -> jax.Array:
 
 
 def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref, *refs, mode, schedule, nh, layout,
-            group, scale, width_p, cache_weights, cache_scores, fold, normalize):
-    if mode == "per_head":
-        lse_ref = None
-        out_ref, m_ref, l_ref, f_ref, valid_ref, *extra = refs
+            group, scale, width_p, cache_weights, cache_scores, fold, normalize,
+            kl: Optional[dense_teacher.FusedKL] = None):
+    refs = list(refs)
+    lse_ref = None if mode == "per_head" else refs.pop(0)
+    if kl is None:
+        out_ref = refs.pop(0)  # the slot-order head sum accumulates in the resident output block
     else:
-        lse_ref, out_ref, m_ref, l_ref, f_ref, valid_ref, *extra = refs
+        logits_ref, stats_ref = refs.pop(0), refs.pop(0)
+        grad_ref = refs.pop(0) if kl.emit_gradient else None
+    m_ref, l_ref, f_ref, valid_ref, *extra = refs
     rows_ref = None if layout.token_major else extra.pop(0)
     weight_ref = extra.pop(0) if cache_weights else None
     score_ref = extra.pop(0) if cache_scores else None
     idx_t_ref = extra.pop(0) if fold else None
+    if kl is not None:
+        out_ref = extra.pop(0)  # f32 [bq, K_p] accumulator in scratch: the outputs are KL stats and dI
     nk = schedule.nk
     bq, bk, hc = layout.block_q, schedule.block_k, layout.head_chunk
     two_pass = mode != "full_lse"
@@ -296,6 +308,13 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
 
         lax.fori_loop(0, n_chunks, body, 0, unroll=True)
 
+    if kl is not None:
+        @pl.when((c == nh - 1) & (step == at.last_step))
+        def _():
+            dense_teacher.kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, mask_target=True,
+                                      visible_at=lambda start, width: valid_ref[:, pl.ds(start, width)] > 0)
+        return
+
     @pl.when((c == nh - 1) & (step == at.last_step))
     def _():
         valid = valid_ref[...] > 0
@@ -307,7 +326,8 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
 
 def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mode: str,
                           cfg: dense_teacher.TeacherConfig, scale: float, schedule: common.TileSchedule,
-                          normalize: bool = True, interpret=False):
+                          normalize: bool = True, kl: Optional[dense_teacher.FusedKL] = None, logits=None,
+                          interpret=False):
     """Runs the sparse teacher kernel on padded, prepared inputs.
 
     Args:
@@ -321,8 +341,13 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
       normalize: False leaves the valid slots as the unnormalised head sum (heads sharded over devices; see
         `normalize_slots`).
 
+      kl, logits: the fused KL over the slots (the loss path), logits [B, S_p, K_p] (any float dtype); see
+        `teacher.FusedKL` (V(t) = the row's valid slots).
+
     Returns:
-      f32 [B, S_p, K_p]: P in slot order on valid slots (rows sum to 1), EMPTY_SLOT (-1) on empty slots.
+      f32 [B, S_p, K_p]: P in slot order on valid slots (rows sum to 1), EMPTY_SLOT (-1) on empty slots. With
+      `kl`: the KL statistics f32 [B, nq, 8, bq] and, with kl.emit_gradient, G [B, S_p, K_p] in the logits' dtype
+      (as `teacher.teacher_pallas`).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -357,6 +382,17 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
     if mode != "per_head":
         in_specs.append(pl.BlockSpec((None, None, None, *layout.view), maps["lse"]))
         operands.append(lse_in)
+    out_specs = pl.BlockSpec((None, bq, k_p), maps["row"])
+    out_shape = jax.ShapeDtypeStruct((b, s_p, k_p), jnp.float32)
+    if kl is not None:
+        in_specs.append(pl.BlockSpec((None, bq, k_p), maps["row"]))
+        operands.append(logits)
+        out_specs = [pl.BlockSpec((None, None, dense_teacher.KL_STAT_ROWS, bq),
+                                  lambda *ids: (*maps["row"](*ids)[:2], 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, nq, dense_teacher.KL_STAT_ROWS, bq), jnp.float32)]
+        if kl.emit_gradient:
+            out_specs.append(pl.BlockSpec((None, bq, k_p), maps["row"]))
+            out_shape.append(jax.ShapeDtypeStruct((b, s_p, k_p), logits.dtype))
     scratch = [
         pltpu.VMEM((*layout.view, LANES), jnp.float32),
         pltpu.VMEM((*layout.view, LANES), jnp.float32),
@@ -373,9 +409,11 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
     fold = slot_fold(bq) if bk % (COUNTER_FIELDS * common.SUBLANES) == 0 else 0
     if fold:
         scratch.append(pltpu.VMEM((k_p // fold, fold * bq), jnp.int32))
+    if kl is not None:
+        scratch.append(pltpu.VMEM((bq, k_p), jnp.float32))
     kernel = functools.partial(_kernel, mode=mode, schedule=schedule, nh=nh, layout=layout, group=group,
                                scale=scale, width_p=k_p, cache_weights=cache_weights, cache_scores=cache_scores,
-                               fold=fold, normalize=normalize)
+                               fold=fold, normalize=normalize, kl=kl)
     matmuls = 1 if mode == "full_lse" or cache_scores else 2  # the cached pass 2 re-reads pass 1's scores
     causal_share = 2 if schedule.causal else 1  # the causal schedule visits about half of the kv tiles
     order = "tok" if layout.token_major else "head"
@@ -385,10 +423,10 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
             num_scalar_prefetch=2,
             grid=(b * nq, nh, steps),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, bq, k_p), maps["row"]),
+            out_specs=out_specs,
             scratch_shapes=scratch,
         ),
-        out_shape=jax.ShapeDtypeStruct((b, s_p, k_p), jnp.float32),
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=cfg.vmem_limit_bytes),
@@ -396,5 +434,5 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
                                       transcendentals=b * s_p * h * n_p // causal_share,
                                       bytes_accessed=q.size * q.dtype.itemsize + 2 * b * s_p * k_p * 4),
         interpret=interpret,
-        name=f"csa_sparse_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}",
+        name=f"csa_sparse_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}{'_kl' if kl else ''}",
     )(tiles, counts, *operands)

@@ -301,7 +301,8 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     if kl is not None:
         @pl.when((c == nh - 1) & (step == at.last_step))
         def _():
-            _kl_epilogue(kl, out_ref, logits_ref, qmeta_ref, krow_ref, stats_ref, grad_ref, qi=qi, schedule=schedule)
+            visible_at, nonempty = _dense_visibility(kl, qmeta_ref, krow_ref, qi=qi, schedule=schedule)
+            kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, visible_at=visible_at, nonempty_rows=nonempty)
     elif normalize:
         @pl.when((c == nh - 1) & (step == at.last_step))
         def _():
@@ -310,14 +311,32 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             out_ref[...] = acc / jnp.maximum(total, common.F32_TINY)
 
 
-def _kl_epilogue(kl: FusedKL, acc_ref, logits_ref, qmeta_ref, krow_ref, stats_ref, grad_ref, *, qi,
-                 schedule: common.TileSchedule):
-    """KL(P || softmax_V(I)) of one query tile from its head sum acc [bq, N_p] (SPEC §4).
+def _dense_visibility(kl: FusedKL, qmeta_ref, krow_ref, *, qi, schedule: common.TileSchedule):
+    """(visible_at(start, width) -> bool [bq, width], non-empty rows [bq, 1] or None) for the dense support V(t)."""
+    bq = schedule.block_q
+    if schedule.causal:  # row t sees blocks j < limit[t] (complete blocks, real rows only)
+        t = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+        limit = jnp.minimum(common.index_div(t + 1, schedule.ratio), schedule.num_blocks)
+        limit = jnp.where(t < kl.seq_len, limit, 0)
+        return (lambda start, width: start + lax.broadcasted_iota(jnp.int32, (bq, width), 1) < limit), limit > 0
 
-    One sweep when N_p fits one chunk (the exponentials of the student serve its LSE and G); otherwise a sweep for
-    the student LSE and the teacher's row mass, then one for the KL terms and G. Entries outside V(t) hold an
-    exact 0 in acc (masked scores), so only the logits need masking; padding and empty rows get a zero row
-    scale, which zeroes their P without a per-element select.
+    def visible_at(start, width):
+        segment = krow_ref[0:1, pl.ds(start, width)]
+        end = krow_ref[1:2, pl.ds(start, width)]
+        return (segment == qmeta_ref[:, 0:1]) & (end <= qmeta_ref[:, 1:2])
+
+    return visible_at, None
+
+
+def kl_epilogue(kl: FusedKL, acc_ref, logits_ref, stats_ref, grad_ref, *, visible_at, nonempty_rows=None,
+                mask_target: bool = False):
+    """KL(P || softmax_V(I)) of one query tile from its head sum acc [bq, W_p] (SPEC §4), W = N (dense) or K
+    slots (sparse); visible_at(start, width) gives V(t) on a lane range, nonempty_rows (optional) |V(t)| > 0.
+
+    One sweep when W_p fits one chunk (the exponentials of the student serve its LSE and G); otherwise a sweep for
+    the student LSE and the teacher's row mass, then one for the KL terms and G. In dense mode entries outside
+    V(t) hold an exact 0 in acc (masked scores), so only the logits need masking (mask_target=False); padding and
+    empty rows get a zero row scale, which zeroes their P without a per-element select.
     """
     bq, n_p = acc_ref.shape
     width = kl_chunk(n_p, kl.chunk)
@@ -326,22 +345,14 @@ def _kl_epilogue(kl: FusedKL, acc_ref, logits_ref, qmeta_ref, krow_ref, stats_re
     row_sum = lambda x: jnp.sum(x, axis=1, keepdims=True)
     row_max = lambda x: jnp.max(x, axis=1, keepdims=True)
 
-    if schedule.causal:  # row t sees blocks j < limit[t] (complete blocks, real rows only)
-        t = qi * schedule.block_q + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-        limit = jnp.minimum(common.index_div(t + 1, schedule.ratio), schedule.num_blocks)
-        limit = jnp.where(t < kl.seq_len, limit, 0)
-        causal_nonempty = limit > 0
-
     def chunk_at(j):
         start = pl.multiple_of(j * width, width) if nchunks > 1 else 0
-        if schedule.causal:
-            visible = start + lax.broadcasted_iota(jnp.int32, (bq, width), 1) < limit
-        else:
-            segment = krow_ref[0:1, pl.ds(start, width)]
-            end = krow_ref[1:2, pl.ds(start, width)]
-            visible = (segment == qmeta_ref[:, 0:1]) & (end <= qmeta_ref[:, 1:2])
+        visible = visible_at(start, width)
         logits = jnp.where(visible, logits_ref[:, pl.ds(start, width)].astype(jnp.float32), -jnp.inf)
-        return start, visible, logits, acc_ref[:, pl.ds(start, width)]
+        head_sum = acc_ref[:, pl.ds(start, width)]
+        if mask_target:
+            head_sum = jnp.where(visible, head_sum, 0.0)
+        return start, visible, logits, head_sum
 
     def row_scales(top, exp_sum, total, nonempty):
         lse = jnp.where(nonempty, top + jnp.log(jnp.maximum(exp_sum, common.F32_TINY)), 0.0)
@@ -354,7 +365,7 @@ def _kl_epilogue(kl: FusedKL, acc_ref, logits_ref, qmeta_ref, krow_ref, stats_re
 
     if nchunks == 1:
         _, visible, logits, head_sum = chunk_at(0)
-        nonempty = causal_nonempty if schedule.causal else row_max(visible.astype(jnp.float32)) > 0
+        nonempty = nonempty_rows if nonempty_rows is not None else row_max(visible.astype(jnp.float32)) > 0
         top = jnp.where(nonempty, row_max(logits), 0.0)
         e = jnp.exp(logits - top)  # 0 outside V(t)
         exp_sum = row_sum(e)
@@ -375,7 +386,7 @@ def _kl_epilogue(kl: FusedKL, acc_ref, logits_ref, qmeta_ref, krow_ref, stats_re
 
         top, exp_sum, total, count = lax.fori_loop(
             0, nchunks, stats_step, (column(common.STAT_FLOOR), column(0.0), column(0.0), column(0.0)))
-        nonempty = causal_nonempty if schedule.causal else count > 0
+        nonempty = nonempty_rows if nonempty_rows is not None else count > 0
         lse, inv_total, mass = row_scales(top, exp_sum, total, nonempty)
 
         def kl_step(j, kl_sum):
