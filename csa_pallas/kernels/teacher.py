@@ -152,7 +152,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     lanes = min(common.LANES, bk)
     two_pass = mode != "full_lse"
 
-    at = common.teacher_step(schedule, firsts_ref, counts_ref, two_pass=two_pass)
+    at = common.teacher_step(schedule, firsts_ref, counts_ref, two_pass=two_pass, single_pass2=cache_scores)
     qi, c, step, in_pass1, k, tile, active = at.qi, at.c, at.step, at.in_pass1, at.k, at.tile, at.active
 
     @pl.when((c == 0) & (step == 0))
@@ -255,8 +255,44 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 start = pl.multiple_of(tile * bk + j * lanes, 128)
                 out_ref[:, pl.ds(start, lanes)] += probs
 
+    def cached_pass2():
+        """All of the query tile's cached tiles in one grid step (no per-tile step overhead)."""
+        finish_f()
+
+        def accumulate(tile_k, z):
+            f = f_ref[...][..., :lanes]
+            for j, z_lanes in enumerate(common.lane_chunks(z, lanes)):
+                probs = jnp.sum(jnp.exp2(z_lanes - f), axis=layout.head_axis)  # [bq, lanes]
+                if bk == out_ref.shape[-1]:
+                    out_ref[:, j * lanes:(j + 1) * lanes] += probs
+                else:
+                    start = pl.multiple_of(tile_k * bk + j * lanes, 128)
+                    out_ref[:, pl.ds(start, lanes)] += probs
+
+        count = schedule.count(counts_ref, at.b, qi)
+        first_tile = schedule.first(firsts_ref, at.b, qi)
+        last_tile = first_tile + count - 1
+
+        def last_width(w):
+            accumulate(last_tile, cache_ref[count - 1] if w == bk else cache_ref[count - 1, ..., :w])
+
+        if chunk == bk:
+            last_width(bk)
+        else:
+            width = schedule.visible_width(qi, last_tile, chunk)
+            for w in range(chunk, bk + 1, chunk):
+                pl.when(width == w)(functools.partial(last_width, w))
+
+        def body(i, carry):
+            accumulate(first_tile + i, cache_ref[i])
+            return carry
+
+        lax.fori_loop(0, count - 1, body, 0)
+
     # Cached scores are already masked; the chunks past the visible width were never written (nor are they read).
-    if not two_pass:
+    if cache_scores:
+        pl.when(jnp.logical_not(in_pass1) & (schedule.count(counts_ref, at.b, qi) > 0))(cached_pass2)
+    elif not two_pass:
         when_active(jnp.logical_not(in_pass1), functools.partial(pass2, False))
     else:  # F is computed in the first pass-2 step (a query tile with no visited tile needs none)
         when_active(jnp.logical_not(in_pass1) & (k == 0), functools.partial(pass2, True))
@@ -296,8 +332,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     nq, nk, nh = s_p // bq, n_p // bk, h // hc
     group = common.head_group(h, hc, q.dtype)
     layout = common.row_layout(h, hc, bq, q.dtype)
-    steps = 2 * nk if mode != "full_lse" else nk
     cached = cfg.cache_scores and mode != "full_lse"
+    steps = nk if mode == "full_lse" else (nk + 1 if cached else 2 * nk)  # cached: pass 2 is one step
 
     if mode == "full_lse":
         step_to_k = lambda step: step
