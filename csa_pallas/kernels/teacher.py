@@ -205,6 +205,13 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         for w in range(chunk, bk + 1, chunk):
             pl.when(partial & (width == w))(functools.partial(body, True, w))
 
+    def finish_f():
+        """F (base 2) from the pass-1 statistics, replicated over lanes: f32 [*view, 128], also stored in f_ref."""
+        lse = common.finish_lse_finite(m_ref[...], l_ref[...], base2=True)  # [*view, 1], finite (joint: u included)
+        f = jnp.broadcast_to(lse, f_ref.shape)
+        f_ref[...] = f
+        return f
+
     if two_pass:
         # The first visited tile writes the statistics (no initialisation pass over them); a query tile that
         # visits none still gets them initialised, for a well-defined (unused) F.
@@ -221,7 +228,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             seen = lane0 & (u > common.STAT_FLOOR)
             return (jnp.where(seen, u, common.STAT_FLOOR), jnp.where(seen, 1.0, 0.0))
 
-        def pass1(first, masked, width):
+        def pass1(first, last, masked, width):
             z = scores(masked, width)
             seed = joint_seed() if first and mode == "joint" else None
             common.online_lse_update(m_ref, l_ref, z, lanes, first=first, seed=seed, base2=True)
@@ -230,16 +237,20 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                     cache_ref[k] = z
                 else:
                     cache_ref[k, ..., :width] = z
+            if last:
+                # F right behind the last matmul: its cross-lane reductions (XLU) and exponentials share the
+                # MXU-bound step instead of opening pass 2.
+                finish_f()
 
-        when_active(in_pass1 & (k == 0), functools.partial(pass1, True))
-        when_active(in_pass1 & (k > 0), functools.partial(pass1, False))
-
-    def finish_f():
-        """F (base 2) from the pass-1 statistics, replicated over lanes: f32 [*view, 128], also stored in f_ref."""
-        lse = common.finish_lse_finite(m_ref[...], l_ref[...], base2=True)  # [*view, 1], finite (joint: u included)
-        f = jnp.broadcast_to(lse, f_ref.shape)
-        f_ref[...] = f
-        return f
+        if cache_scores:
+            last = k == schedule.count(counts_ref, at.b, qi) - 1
+            for first in (True, False):
+                for is_last in (True, False):
+                    cond = in_pass1 & ((k == 0) if first else (k > 0)) & (last if is_last else ~last)
+                    when_active(cond, functools.partial(pass1, first, is_last))
+        else:
+            when_active(in_pass1 & (k == 0), functools.partial(pass1, True, False))
+            when_active(in_pass1 & (k > 0), functools.partial(pass1, False, False))
 
     def pass2(first, masked, width):
         z = (cache_ref[k] if width == bk else cache_ref[k, ..., :width]) if cache_scores else scores(masked, width)
@@ -256,8 +267,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 out_ref[:, pl.ds(start, lanes)] += probs
 
     def cached_pass2():
-        """All of the query tile's cached tiles in one grid step (no per-tile step overhead)."""
-        finish_f()
+        """All of the query tile's cached tiles in one grid step (no per-tile step overhead); F is ready."""
 
         def accumulate(tile_k, z):
             f = f_ref[...][..., :lanes]
