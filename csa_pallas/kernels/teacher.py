@@ -212,6 +212,24 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         f_ref[...] = f
         return f
 
+    def dispatch(body):
+        """Runs body(masked, width) for the step's tile, whose visit the caller has checked (causal schedule:
+        as when_active)."""
+        if not schedule.causal:
+            body(True, bk)
+            return
+        full = schedule.full(qi, tile)
+        pl.when(full)(functools.partial(body, False, bk))
+        if chunk == bk:
+            pl.when(jnp.logical_not(full))(functools.partial(body, True, bk))
+            return
+
+        @pl.when(jnp.logical_not(full))
+        def _():
+            width = schedule.visible_width(qi, tile, chunk)
+            for w in range(chunk, bk + 1, chunk):
+                pl.when(width == w)(functools.partial(body, True, w))
+
     if two_pass:
         # The first visited tile writes the statistics (no initialisation pass over them); a query tile that
         # visits none still gets them initialised, for a well-defined (unused) F.
@@ -242,15 +260,19 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 # MXU-bound step instead of opening pass 2.
                 finish_f()
 
-        if cache_scores:
+        # Nested conditions: a step outside pass 1 (or past the query tile's tiles) pays one branch, not one per
+        # variant (each untaken pl.when costs ~10 bundles of scalar work and delay slots).
+        @pl.when(in_pass1 & active)
+        def _():
             last = k == schedule.count(counts_ref, at.b, qi) - 1
             for first in (True, False):
-                for is_last in (True, False):
-                    cond = in_pass1 & ((k == 0) if first else (k > 0)) & (last if is_last else ~last)
-                    when_active(cond, functools.partial(pass1, first, is_last))
-        else:
-            when_active(in_pass1 & (k == 0), functools.partial(pass1, True, False))
-            when_active(in_pass1 & (k > 0), functools.partial(pass1, False, False))
+                @pl.when((k == 0) if first else (k > 0))
+                def _():
+                    if not cache_scores:
+                        dispatch(functools.partial(pass1, first, False))
+                        return
+                    pl.when(last)(lambda: dispatch(functools.partial(pass1, first, True)))
+                    pl.when(jnp.logical_not(last))(lambda: dispatch(functools.partial(pass1, first, False)))
 
     def pass2(first, masked, width):
         z = (cache_ref[k] if width == bk else cache_ref[k, ..., :width]) if cache_scores else scores(masked, width)
