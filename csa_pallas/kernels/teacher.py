@@ -7,7 +7,9 @@ Grid (B*nq "parallel", H/hc "arbitrary", passes*nk "arbitrary"):
   * axis 2 walks the kv tiles a query tile needs (per-query-tile kv ranges via scalar prefetch, splash style: tiles
     no query of the tile can see are neither fetched nor computed), once for the log-sum-exp (pass 1) and once for
     the probabilities (pass 2). With `full_lse` given there is only pass 2; with `cache_scores` pass 2 re-reads the
-    masked scores pass 1 left in VMEM instead of a second matmul.
+    masked scores pass 1 left in VMEM instead of a second matmul, all of them in one step after pass 1, whose last
+    step already computed F. Causal cached runs with one head chunk walk query tiles in pairs (qi, nq-1-qi) on
+    axis 0 instead, the pair's steps back to back: every pair has the same number of steps, so none idles.
 
 Per step the hc heads of bq queries form R = hc*bq rows [R, D] (head-major) against one kv tile [bk, D]: one MXU
 call, f32 accumulation (with the causal schedule, a diagonal kv tile only up to its last visible 128-lane chunk).
@@ -139,8 +141,71 @@ def normalize_rows(head_sum: jax.Array) -> jax.Array:
     return head_sum / jnp.maximum(total, common.F32_TINY)
 
 
+def _static_count(schedule: common.TileSchedule, qi: int) -> int:
+    """`TileSchedule.count` of the causal schedule for a Python int query tile."""
+    last_block = min((qi * schedule.block_q + schedule.block_q) // schedule.ratio - 1, schedule.num_blocks - 1)
+    return last_block // schedule.block_k + 1 if last_block >= 0 else 0
+
+
+def _pair_steps(schedule: common.TileSchedule) -> int:
+    """Grid steps per pair of query tiles (qi, nq-1-qi): both tiles' pass-1 steps and one pass-2 step each. The
+    causal counts of such a pair add up to nearly the same number for every pair: no idle steps."""
+    nq = schedule.nq
+    return max(_static_count(schedule, i) + _static_count(schedule, nq - 1 - i) for i in range(nq // 2)) + 2
+
+
+def _pair_decode(schedule: common.TileSchedule, p, step):
+    """Pair schedule: grid index p -> (batch, query tile, the tile's own step, its tile count). Steps 0..ca
+    belong to tile qa = pair (ca pass-1 steps, then pass 2), the next ones to qb = nq-1-pair."""
+    npairs = schedule.nq // 2
+    b = common.index_div(p, npairs)
+    qa = common.index_rem(p, npairs)
+    qb = schedule.nq - 1 - qa
+    ca = schedule.count(None, b, qa)
+    second = step > ca
+    qi = jnp.where(second, qb, qa)
+    own = jnp.where(second, step - ca - 1, step)
+    count = jnp.where(second, schedule.count(None, b, qb), ca)
+    return b, qi, own, count
+
+
+def _pair_step(schedule: common.TileSchedule) -> common.TeacherStep:
+    b, qi, own, count = _pair_decode(schedule, pl.program_id(0), pl.program_id(2))
+    k = jnp.clip(own, 0, jnp.maximum(count - 1, 0))
+    return common.TeacherStep(b=b, qi=qi, c=pl.program_id(1), step=own, in_pass1=own < count, k=k,
+                              tile=schedule.tile(None, None, b, qi, k), active=own < count, last_step=count)
+
+
+def _pair_index_maps(*, head_chunk: int, group: int, schedule: common.TileSchedule):
+    def decode(p, step):
+        b, qi, own, count = _pair_decode(schedule, p, step)
+        return b, qi, schedule.tile(None, None, b, qi, jnp.clip(own, 0, jnp.maximum(count - 1, 0)))
+
+    def q_map(p, c, step, firsts_ref, counts_ref):
+        b, qi, _ = decode(p, step)
+        return b, qi, common.index_div(c * head_chunk, group), 0
+
+    def kv_map(p, c, step, firsts_ref, counts_ref):
+        b, _, tile = decode(p, step)
+        return b, tile, 0
+
+    def kmeta_map(p, c, step, firsts_ref, counts_ref):
+        b, _, tile = decode(p, step)
+        return b, 0, tile
+
+    def row_map(p, c, step, firsts_ref, counts_ref):
+        b, qi, _ = decode(p, step)
+        return b, qi, 0
+
+    def lse_map(p, c, step, firsts_ref, counts_ref):
+        b, qi, _ = decode(p, step)
+        return b, c, qi, 0, 0
+
+    return dict(q=q_map, kv=kv_map, kmeta=kmeta_map, row=row_map, lse=lse_map)
+
+
 def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, schedule, nh,
-            layout, group, scale, normalize):
+            layout, group, scale, normalize, pairs):
     if mode == "per_head":
         lse_ref = None
         out_ref, m_ref, l_ref, f_ref, *extra = refs
@@ -152,7 +217,10 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     lanes = min(common.LANES, bk)
     two_pass = mode != "full_lse"
 
-    at = common.teacher_step(schedule, firsts_ref, counts_ref, two_pass=two_pass, single_pass2=cache_scores)
+    if pairs:
+        at = _pair_step(schedule)
+    else:
+        at = common.teacher_step(schedule, firsts_ref, counts_ref, two_pass=two_pass, single_pass2=cache_scores)
     qi, c, step, in_pass1, k, tile, active = at.qi, at.c, at.step, at.in_pass1, at.k, at.tile, at.active
 
     @pl.when((c == 0) & (step == 0))
@@ -323,7 +391,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
 
     # Cached scores are already masked; the chunks past the visible width were never written (nor are they read).
     if cache_scores:
-        pl.when(jnp.logical_not(in_pass1) & (schedule.count(counts_ref, at.b, qi) > 0))(cached_pass2)
+        pl.when((step == at.last_step) & (schedule.count(counts_ref, at.b, qi) > 0))(cached_pass2)
     elif not two_pass:
         when_active(jnp.logical_not(in_pass1), functools.partial(pass2, False))
     else:  # F is computed in the first pass-2 step (a query tile with no visited tile needs none)
@@ -366,6 +434,12 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     layout = common.row_layout(h, hc, bq, q.dtype)
     cached = cfg.cache_scores and mode != "full_lse"
     steps = nk if mode == "full_lse" else (nk + 1 if cached else 2 * nk)  # cached: pass 2 is one step
+    # Causal cached single-chunk runs walk query tiles in pairs (qi, nq-1-qi), each pair with the same number of
+    # steps, instead of nk + 1 steps per tile of which the early tiles leave most idle (~200 bundles each).
+    # Head chunks (nh > 1) would revisit an output block after the other tile of the pair: not paired.
+    pairs = cached and schedule.causal and nh == 1 and nq % 2 == 0 and nq >= 2
+    if pairs:
+        steps = _pair_steps(schedule)
 
     if mode == "full_lse":
         step_to_k = lambda step: step
@@ -374,6 +448,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     else:
         step_to_k = lambda step: jnp.where(step < nk, step, step - nk)
     maps = common.teacher_index_maps(nq=nq, head_chunk=hc, group=group, schedule=schedule, step_to_k=step_to_k)
+    if pairs:
+        maps = _pair_index_maps(head_chunk=hc, group=group, schedule=schedule)
 
     in_specs = [
         pl.BlockSpec((None, bq, group, d), maps["q"]),
@@ -398,14 +474,14 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     if cached:
         scratch.append(pltpu.VMEM((nk, *layout.view, bk), jnp.float32))
     kernel = functools.partial(_kernel, mode=mode, cache_scores=cached, schedule=schedule, nh=nh, layout=layout,
-                               group=group, scale=scale, normalize=normalize)
+                               group=group, scale=scale, normalize=normalize, pairs=pairs)
     flops = 2 * b * s_p * h * n_p * d * (1 if cached or mode == "full_lse" else 2)
     order = "tok" if layout.token_major else "head"
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(b * nq, nh, steps),
+            grid=(b * (nq // 2 if pairs else nq), nh, steps),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((None, bq, n_p), maps["row"]),
             scratch_shapes=scratch,
