@@ -220,7 +220,7 @@ def lane_chunks(x, lanes: int):
 
 
 def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=None, base2: bool = False,
-                      return_exp: bool = False):
+                      store: bool = True):
     """Per-lane running max/sum update with the scores z [..., bk] (masked entries -inf).
 
     m_ref, l_ref: f32 [..., lanes]. Keeping the statistics per lane defers the cross-lane reduction to the end of
@@ -228,7 +228,7 @@ def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=
     written, not updated, so they need no initialisation (their old contents are ignored). seed: with first,
     (max, sum) [..., lanes] statistics of extra terms to start from (e.g. the window LSE in joint mode). base2:
     z holds scores times log2(e) and the sums use exp2 (the hardware exponential: no multiply per element).
-    return_exp: also return exp(z - m_new) per lane chunk (the terms summed here), for callers that keep them.
+    Returns the new (max, sum); store=False leaves them out of m_ref, l_ref (a last update consumed at once).
     """
     exp = jnp.exp2 if base2 else jnp.exp
     chunks = lane_chunks(z, lanes)
@@ -243,12 +243,13 @@ def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=
         for c in chunks:
             m_new = jnp.maximum(m_new, c)
         acc = l_old * exp(m_old - m_new)
-    exps = [exp(c - m_new) for c in chunks]
-    for e in exps:
+    for c in chunks:
+        e = exp(c - m_new)
         acc = e if acc is None else acc + e
-    m_ref[...] = m_new
-    l_ref[...] = acc
-    return exps if return_exp else None
+    if store:
+        m_ref[...] = m_new
+        l_ref[...] = acc
+    return m_new, acc
 
 
 def finish_lse(m, l):

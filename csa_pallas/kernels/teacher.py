@@ -273,9 +273,12 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         for w in range(chunk, bk + 1, chunk):
             pl.when(partial & (width == w))(functools.partial(body, True, w))
 
-    def finish_f():
-        """F (base 2) from the pass-1 statistics, replicated over lanes: f32 [*view, 128], also stored in f_ref."""
-        lse = common.finish_lse_finite(m_ref[...], l_ref[...], base2=True)  # [*view, 1], finite (joint: u included)
+    def finish_f(m=None, l=None):
+        """F (base 2) from the pass-1 statistics (default: m_ref, l_ref), replicated over lanes: f32 [*view, 128],
+        also stored in f_ref."""
+        m = m_ref[...] if m is None else m
+        l = l_ref[...] if l is None else l
+        lse = common.finish_lse_finite(m, l, base2=True)  # [*view, 1], finite (joint: u included)
         f = jnp.broadcast_to(lse, f_ref.shape)
         f_ref[...] = f
         return f
@@ -317,7 +320,9 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         def pass1(first, last, masked, width):
             z = scores(masked, width)
             seed = joint_seed() if first and mode == "joint" else None
-            common.online_lse_update(m_ref, l_ref, z, lanes, first=first, seed=seed, base2=True)
+            # The last update feeds F directly: its statistics never go back to VMEM.
+            stats = common.online_lse_update(m_ref, l_ref, z, lanes, first=first, seed=seed, base2=True,
+                                             store=not last)
             if cache_scores:
                 if width == bk:
                     cache_ref[k] = z
@@ -326,7 +331,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             if last:
                 # F right behind the last matmul: its cross-lane reductions (XLU) and exponentials share the
                 # MXU-bound step instead of opening pass 2.
-                finish_f()
+                finish_f(*stats)
 
         # Nested conditions: a step outside pass 1 (or past the query tile's tiles) pays one branch, not one per
         # variant (each untaken pl.when costs ~10 bundles of scalar work and delay slots).
