@@ -147,59 +147,71 @@ def _static_count(schedule: common.TileSchedule, qi: int) -> int:
     return last_block // schedule.block_k + 1 if last_block >= 0 else 0
 
 
-def _pair_steps(schedule: common.TileSchedule) -> int:
-    """Grid steps per pair of query tiles (qi, nq-1-qi): both tiles' pass-1 steps and one pass-2 step each. The
-    causal counts of such a pair add up to nearly the same number for every pair: no idle steps."""
+def _pairs_fit(schedule: common.TileSchedule) -> bool:
+    """The pair walk needs every second tile (nq-1-i) to visit a kv tile: its pass 2 gets a step of its own."""
     nq = schedule.nq
-    return max(_static_count(schedule, i) + _static_count(schedule, nq - 1 - i) for i in range(nq // 2)) + 2
+    return nq % 2 == 0 and all(_static_count(schedule, nq - 1 - i) >= 1 for i in range(nq // 2))
 
 
-def _pair_decode(schedule: common.TileSchedule, p, step):
-    """Pair schedule: grid index p -> (batch, query tile, the tile's own step, its tile count). Steps 0..ca
-    belong to tile qa = pair (ca pass-1 steps, then pass 2), the next ones to qb = nq-1-pair."""
+def _pair_steps(schedule: common.TileSchedule) -> int:
+    """Grid steps per pair of query tiles (qi, nq-1-qi): both tiles' pass-1 steps and the second tile's pass 2 (the
+    first tile's pass 2 shares the second tile's first step). The causal counts of such a pair add up to nearly
+    the same number for every pair: no idle steps."""
+    nq = schedule.nq
+    return max(_static_count(schedule, i) + _static_count(schedule, nq - 1 - i) for i in range(nq // 2)) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _PairStep:
+    b: jax.Array
+    qi: jax.Array  # the tile of this step's pass-1 work (q, kv and lse blocks)
+    k: jax.Array  # its kv-walk position (>= count: no pass-1 work)
+    count: jax.Array
+    out_qi: jax.Array  # the tile whose output block is resident
+    pass2: jax.Array  # the step of out_qi's pass 2
+
+
+def _pair_decode(schedule: common.TileSchedule, p, step) -> _PairStep:
+    """Pair walk of grid row p, tiles qa = pair and qb = nq-1-pair (counts ca, cb): steps 0..ca-1 are qa's pass 1,
+    steps ca..ca+cb-1 qb's pass 1, step ca also qa's pass 2 (before qb's work: pass 1 overwrites the cache and F),
+    step ca+cb qb's pass 2. Both tiles' output blocks stay resident until their pass 2: pass 1 never touches them."""
     npairs = schedule.nq // 2
     b = common.index_div(p, npairs)
     qa = common.index_rem(p, npairs)
     qb = schedule.nq - 1 - qa
     ca = schedule.count(None, b, qa)
-    second = step > ca
-    qi = jnp.where(second, qb, qa)
-    own = jnp.where(second, step - ca - 1, step)
-    count = jnp.where(second, schedule.count(None, b, qb), ca)
-    return b, qi, own, count
+    cb = schedule.count(None, b, qb)
+    second = step >= ca
+    out_second = step > ca
+    return _PairStep(b=b, qi=jnp.where(second, qb, qa), k=jnp.where(second, step - ca, step),
+                     count=jnp.where(second, cb, ca), out_qi=jnp.where(out_second, qb, qa),
+                     pass2=jnp.where(out_second, ca + cb, ca))
 
 
-def _pair_step(schedule: common.TileSchedule) -> common.TeacherStep:
-    b, qi, own, count = _pair_decode(schedule, pl.program_id(0), pl.program_id(2))
-    k = jnp.clip(own, 0, jnp.maximum(count - 1, 0))
-    return common.TeacherStep(b=b, qi=qi, c=pl.program_id(1), step=own, in_pass1=own < count, k=k,
-                              tile=schedule.tile(None, None, b, qi, k), active=own < count, last_step=count)
+def _pair_tile(schedule: common.TileSchedule, ps: _PairStep):
+    return schedule.tile(None, None, ps.b, ps.qi, jnp.clip(ps.k, 0, jnp.maximum(ps.count - 1, 0)))
 
 
 def _pair_index_maps(*, head_chunk: int, group: int, schedule: common.TileSchedule):
-    def decode(p, step):
-        b, qi, own, count = _pair_decode(schedule, p, step)
-        return b, qi, schedule.tile(None, None, b, qi, jnp.clip(own, 0, jnp.maximum(count - 1, 0)))
-
     def q_map(p, c, step, firsts_ref, counts_ref):
-        b, qi, _ = decode(p, step)
-        return b, qi, common.index_div(c * head_chunk, group), 0
+        ps = _pair_decode(schedule, p, step)
+        return ps.b, ps.qi, common.index_div(c * head_chunk, group), 0
 
     def kv_map(p, c, step, firsts_ref, counts_ref):
-        b, _, tile = decode(p, step)
-        return b, tile, 0
+        ps = _pair_decode(schedule, p, step)
+        return ps.b, _pair_tile(schedule, ps), 0
 
     def kmeta_map(p, c, step, firsts_ref, counts_ref):
-        b, _, tile = decode(p, step)
-        return b, 0, tile
+        ps = _pair_decode(schedule, p, step)
+        return ps.b, 0, _pair_tile(schedule, ps)
 
     def row_map(p, c, step, firsts_ref, counts_ref):
-        b, qi, _ = decode(p, step)
-        return b, qi, 0
+        ps = _pair_decode(schedule, p, step)
+        return ps.b, ps.out_qi, 0
 
     def lse_map(p, c, step, firsts_ref, counts_ref):
-        b, qi, _ = decode(p, step)
-        return b, c, qi, 0, 0
+        ps = _pair_decode(schedule, p, step)
+        return ps.b, c, ps.qi, 0, 0
 
     return dict(q=q_map, kv=kv_map, kmeta=kmeta_map, row=row_map, lse=lse_map)
 
@@ -218,16 +230,25 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     two_pass = mode != "full_lse"
 
     if pairs:
-        at = _pair_step(schedule)
+        ps = _pair_decode(schedule, pl.program_id(0), pl.program_id(2))
+        active = ps.k < ps.count
+        at = common.TeacherStep(b=ps.b, qi=ps.qi, c=pl.program_id(1), step=pl.program_id(2), in_pass1=active,
+                                k=jnp.clip(ps.k, 0, jnp.maximum(ps.count - 1, 0)), tile=_pair_tile(schedule, ps),
+                                active=active, last_step=ps.pass2)
+        first_step = ps.k == 0  # of the pass-1 tile
+        out_qi = ps.out_qi
     else:
         at = common.teacher_step(schedule, firsts_ref, counts_ref, two_pass=two_pass, single_pass2=cache_scores)
+        first_step = at.step == 0
+        out_qi = at.qi
     qi, c, step, in_pass1, k, tile, active = at.qi, at.c, at.step, at.in_pass1, at.k, at.tile, at.active
 
-    @pl.when((c == 0) & (step == 0))
+    # Pairs (one head chunk): the output block is zeroed by the step that accumulates it, right before pass 2.
+    @pl.when((step == at.last_step) if pairs else ((c == 0) & (step == 0)))
     def _():
         out_ref[...] = jnp.zeros_like(out_ref)
 
-    @pl.when(step == 0)
+    @pl.when(first_step)
     def _():
         if not layout.token_major:
             common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
@@ -301,10 +322,47 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             for w in range(chunk, bk + 1, chunk):
                 pl.when(width == w)(functools.partial(body, True, w))
 
+    def cached_pass2():
+        """All of the query tile's cached tiles in one grid step (no per-tile step overhead); F is ready."""
+
+        def accumulate(tile_k, z):
+            f = f_ref[...][..., :lanes]
+            for j, z_lanes in enumerate(common.lane_chunks(z, lanes)):
+                probs = jnp.sum(jnp.exp2(z_lanes - f), axis=layout.head_axis)  # [bq, lanes]
+                if bk == out_ref.shape[-1]:
+                    out_ref[:, j * lanes:(j + 1) * lanes] += probs
+                else:
+                    start = pl.multiple_of(tile_k * bk + j * lanes, 128)
+                    out_ref[:, pl.ds(start, lanes)] += probs
+
+        count = schedule.count(counts_ref, at.b, out_qi)
+        first_tile = schedule.first(firsts_ref, at.b, out_qi)
+        last_tile = first_tile + count - 1
+
+        def last_width(w):
+            accumulate(last_tile, cache_ref[count - 1] if w == bk else cache_ref[count - 1, ..., :w])
+
+        if chunk == bk:
+            last_width(bk)
+        else:
+            width = schedule.visible_width(out_qi, last_tile, chunk)
+            for w in range(chunk, bk + 1, chunk):
+                pl.when(width == w)(functools.partial(last_width, w))
+
+        def body(i, carry):
+            accumulate(first_tile + i, cache_ref[i])
+            return carry
+
+        lax.fori_loop(0, count - 1, body, 0)
+
+    # Cached scores are already masked; the chunks past the visible width were never written (nor are they read).
+    if cache_scores:  # ahead of pass 1: with pairs, this step's pass-1 work belongs to the next tile
+        pl.when((step == at.last_step) & (schedule.count(counts_ref, at.b, out_qi) > 0))(cached_pass2)
+
     if two_pass:
         # The first visited tile writes the statistics (no initialisation pass over them); a query tile that
         # visits none still gets them initialised, for a well-defined (unused) F.
-        @pl.when((step == 0) & jnp.logical_not(active))
+        @pl.when(first_step & jnp.logical_not(active))
         def _():
             m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -361,42 +419,8 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 start = pl.multiple_of(tile * bk + j * lanes, 128)
                 out_ref[:, pl.ds(start, lanes)] += probs
 
-    def cached_pass2():
-        """All of the query tile's cached tiles in one grid step (no per-tile step overhead); F is ready."""
-
-        def accumulate(tile_k, z):
-            f = f_ref[...][..., :lanes]
-            for j, z_lanes in enumerate(common.lane_chunks(z, lanes)):
-                probs = jnp.sum(jnp.exp2(z_lanes - f), axis=layout.head_axis)  # [bq, lanes]
-                if bk == out_ref.shape[-1]:
-                    out_ref[:, j * lanes:(j + 1) * lanes] += probs
-                else:
-                    start = pl.multiple_of(tile_k * bk + j * lanes, 128)
-                    out_ref[:, pl.ds(start, lanes)] += probs
-
-        count = schedule.count(counts_ref, at.b, qi)
-        first_tile = schedule.first(firsts_ref, at.b, qi)
-        last_tile = first_tile + count - 1
-
-        def last_width(w):
-            accumulate(last_tile, cache_ref[count - 1] if w == bk else cache_ref[count - 1, ..., :w])
-
-        if chunk == bk:
-            last_width(bk)
-        else:
-            width = schedule.visible_width(qi, last_tile, chunk)
-            for w in range(chunk, bk + 1, chunk):
-                pl.when(width == w)(functools.partial(last_width, w))
-
-        def body(i, carry):
-            accumulate(first_tile + i, cache_ref[i])
-            return carry
-
-        lax.fori_loop(0, count - 1, body, 0)
-
-    # Cached scores are already masked; the chunks past the visible width were never written (nor are they read).
     if cache_scores:
-        pl.when((step == at.last_step) & (schedule.count(counts_ref, at.b, qi) > 0))(cached_pass2)
+        pass  # cached_pass2, registered ahead of pass 1
     elif not two_pass:
         when_active(jnp.logical_not(in_pass1), functools.partial(pass2, False))
     else:  # F is computed in the first pass-2 step (a query tile with no visited tile needs none)
@@ -442,7 +466,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     # Causal cached single-chunk runs walk query tiles in pairs (qi, nq-1-qi), each pair with the same number of
     # steps, instead of nk + 1 steps per tile of which the early tiles leave most idle (~200 bundles each).
     # Head chunks (nh > 1) would revisit an output block after the other tile of the pair: not paired.
-    pairs = cached and schedule.causal and nh == 1 and nq % 2 == 0 and nq >= 2
+    pairs = cached and schedule.causal and nh == 1 and _pairs_fit(schedule)
     if pairs:
         steps = _pair_steps(schedule)
 
