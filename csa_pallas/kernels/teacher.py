@@ -406,9 +406,9 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                     pl.when(jnp.logical_not(last))(lambda: dispatch(functools.partial(pass1, first, False)))
 
     def pass2(first, masked, width):
-        z = (cache_ref[k] if width == bk else cache_ref[k, ..., :width]) if cache_scores else scores(masked, width)
+        z = scores(masked, width)  # (cached scores: `cached_pass2`)
         # The first pass-2 step computes F itself: its cross-lane reductions (XLU-bound) then share a basic block
-        # with the matmul (uncached) or with the exponentials of the rows already finished (cached), and hide.
+        # with the matmul, and hide.
         f = finish_f() if first else f_ref[...]
         f = f[..., :lanes]
         for j, z_lanes in enumerate(common.lane_chunks(z, lanes)):
@@ -419,11 +419,9 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 start = pl.multiple_of(tile * bk + j * lanes, 128)
                 out_ref[:, pl.ds(start, lanes)] += probs
 
-    if cache_scores:
-        pass  # cached_pass2, registered ahead of pass 1
-    elif not two_pass:
+    if not two_pass:
         when_active(jnp.logical_not(in_pass1), functools.partial(pass2, False))
-    else:  # F is computed in the first pass-2 step (a query tile with no visited tile needs none)
+    elif not cache_scores:  # F is computed in the first pass-2 step (a query tile with no visited tile needs none)
         when_active(jnp.logical_not(in_pass1) & (k == 0), functools.partial(pass2, True))
         when_active(jnp.logical_not(in_pass1) & (k > 0), functools.partial(pass2, False))
 
