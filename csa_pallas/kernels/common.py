@@ -219,7 +219,8 @@ def lane_chunks(x, lanes: int):
     return [x[..., j:j + lanes] for j in range(0, width, lanes)]
 
 
-def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=None, base2: bool = False):
+def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=None, base2: bool = False,
+                      store: bool = True):
     """Per-lane running max/sum update with the scores z [..., bk] (masked entries -inf).
 
     m_ref, l_ref: f32 [..., lanes]. Keeping the statistics per lane defers the cross-lane reduction to the end of
@@ -227,6 +228,7 @@ def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=
     written, not updated, so they need no initialisation (their old contents are ignored). seed: with first,
     (max, sum) [..., lanes] statistics of extra terms to start from (e.g. the window LSE in joint mode). base2:
     z holds scores times log2(e) and the sums use exp2 (the hardware exponential: no multiply per element).
+    Returns the new (max, sum); store=False leaves them out of m_ref, l_ref (a last update consumed at once).
     """
     exp = jnp.exp2 if base2 else jnp.exp
     chunks = lane_chunks(z, lanes)
@@ -235,19 +237,19 @@ def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=
         for c in chunks:
             m_new = jnp.maximum(m_new, c)
         acc = None
-        for c in chunks:
-            e = exp(c - m_new)
-            acc = e if acc is None else acc + e
     else:
         m_old, l_old = seed if first else (m_ref[...], l_ref[...])
         m_new = m_old
         for c in chunks:
             m_new = jnp.maximum(m_new, c)
         acc = l_old * exp(m_old - m_new)
-        for c in chunks:
-            acc = acc + exp(c - m_new)
-    m_ref[...] = m_new
-    l_ref[...] = acc
+    for c in chunks:
+        e = exp(c - m_new)
+        acc = e if acc is None else acc + e
+    if store:
+        m_ref[...] = m_new
+        l_ref[...] = acc
+    return m_new, acc
 
 
 def finish_lse(m, l):
@@ -401,19 +403,26 @@ class TeacherStep:
     last_step: int
 
 
-def teacher_step(schedule: TileSchedule, firsts_ref, counts_ref, *, two_pass: bool) -> TeacherStep:
-    """Decodes the program ids of the teacher kernels (grid (B*nq, H/hc, passes*nk))."""
+def teacher_step(schedule: TileSchedule, firsts_ref, counts_ref, *, two_pass: bool,
+                 single_pass2: bool = False) -> TeacherStep:
+    """Decodes the program ids of the teacher kernels (grid (B*nq, H/hc, passes*nk)). single_pass2: the grid has
+    nk + 1 steps, pass 2 being the one step nk (k and tile then name the last visited tile)."""
     from jax.experimental import pallas as pl  # local: keeps this module importable without pallas users
 
     nq, nk = schedule.nq, schedule.nk
     p, c, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b = index_div(p, nq)
     qi = zigzag(index_rem(p, nq), nq)
-    if two_pass:
+    if two_pass and single_pass2:
+        in_pass1 = step < nk
+        k = jnp.minimum(step, nk - 1)
+        last_step = nk
+    elif two_pass:
         in_pass1 = step < nk
         k = jnp.where(in_pass1, step, step - nk)
+        last_step = 2 * nk - 1
     else:
-        in_pass1, k = False, step
+        in_pass1, k, last_step = False, step, nk - 1
     return TeacherStep(b=b, qi=qi, c=c, step=step, in_pass1=in_pass1, k=k,
                        tile=schedule.tile(firsts_ref, counts_ref, b, qi, k),
-                       active=k < schedule.count(counts_ref, b, qi), last_step=(2 * nk if two_pass else nk) - 1)
+                       active=k < schedule.count(counts_ref, b, qi), last_step=last_step)

@@ -7,7 +7,9 @@ Grid (B*nq "parallel", H/hc "arbitrary", passes*nk "arbitrary"):
   * axis 2 walks the kv tiles a query tile needs (per-query-tile kv ranges via scalar prefetch, splash style: tiles
     no query of the tile can see are neither fetched nor computed), once for the log-sum-exp (pass 1) and once for
     the probabilities (pass 2). With `full_lse` given there is only pass 2; with `cache_scores` pass 2 re-reads the
-    masked scores pass 1 left in VMEM instead of a second matmul.
+    masked scores pass 1 left in VMEM instead of a second matmul, all of them in one step after pass 1, whose last
+    step already computed F. Causal cached runs with one head chunk walk query tiles in pairs (qi, nq-1-qi) on
+    axis 0 instead, the pair's steps back to back: every pair has the same number of steps, so none idles.
 
 Per step the hc heads of bq queries form R = hc*bq rows [R, D] (head-major) against one kv tile [bk, D]: one MXU
 call, f32 accumulation (with the causal schedule, a diagonal kv tile only up to its last visible 128-lane chunk).
@@ -170,8 +172,83 @@ def normalize_rows(head_sum: jax.Array) -> jax.Array:
     return head_sum / jnp.maximum(total, common.F32_TINY)
 
 
+def _static_count(schedule: common.TileSchedule, qi: int) -> int:
+    """`TileSchedule.count` of the causal schedule for a Python int query tile."""
+    last_block = min((qi * schedule.block_q + schedule.block_q) // schedule.ratio - 1, schedule.num_blocks - 1)
+    return last_block // schedule.block_k + 1 if last_block >= 0 else 0
+
+
+def _pairs_fit(schedule: common.TileSchedule) -> bool:
+    """The pair walk needs every second tile (nq-1-i) to visit a kv tile: its pass 2 gets a step of its own."""
+    nq = schedule.nq
+    return nq % 2 == 0 and all(_static_count(schedule, nq - 1 - i) >= 1 for i in range(nq // 2))
+
+
+def _pair_steps(schedule: common.TileSchedule) -> int:
+    """Grid steps per pair of query tiles (qi, nq-1-qi): both tiles' pass-1 steps and the second tile's pass 2 (the
+    first tile's pass 2 shares the second tile's first step). The causal counts of such a pair add up to nearly
+    the same number for every pair: no idle steps."""
+    nq = schedule.nq
+    return max(_static_count(schedule, i) + _static_count(schedule, nq - 1 - i) for i in range(nq // 2)) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _PairStep:
+    b: jax.Array
+    qi: jax.Array  # the tile of this step's pass-1 work (q, kv and lse blocks)
+    k: jax.Array  # its kv-walk position (>= count: no pass-1 work)
+    count: jax.Array
+    out_qi: jax.Array  # the tile whose output block is resident
+    pass2: jax.Array  # the step of out_qi's pass 2
+
+
+def _pair_decode(schedule: common.TileSchedule, p, step) -> _PairStep:
+    """Pair walk of grid row p, tiles qa = pair and qb = nq-1-pair (counts ca, cb): steps 0..ca-1 are qa's pass 1,
+    steps ca..ca+cb-1 qb's pass 1, step ca also qa's pass 2 (before qb's work: pass 1 overwrites the cache and F),
+    step ca+cb qb's pass 2. Both tiles' output blocks stay resident until their pass 2: pass 1 never touches them."""
+    npairs = schedule.nq // 2
+    b = common.index_div(p, npairs)
+    qa = common.index_rem(p, npairs)
+    qb = schedule.nq - 1 - qa
+    ca = schedule.count(None, b, qa)
+    cb = schedule.count(None, b, qb)
+    second = step >= ca
+    out_second = step > ca
+    return _PairStep(b=b, qi=jnp.where(second, qb, qa), k=jnp.where(second, step - ca, step),
+                     count=jnp.where(second, cb, ca), out_qi=jnp.where(out_second, qb, qa),
+                     pass2=jnp.where(out_second, ca + cb, ca))
+
+
+def _pair_tile(schedule: common.TileSchedule, ps: _PairStep):
+    return schedule.tile(None, None, ps.b, ps.qi, jnp.clip(ps.k, 0, jnp.maximum(ps.count - 1, 0)))
+
+
+def _pair_index_maps(*, head_chunk: int, group: int, schedule: common.TileSchedule):
+    def q_map(p, c, step, firsts_ref, counts_ref):
+        ps = _pair_decode(schedule, p, step)
+        return ps.b, ps.qi, common.index_div(c * head_chunk, group), 0
+
+    def kv_map(p, c, step, firsts_ref, counts_ref):
+        ps = _pair_decode(schedule, p, step)
+        return ps.b, _pair_tile(schedule, ps), 0
+
+    def kmeta_map(p, c, step, firsts_ref, counts_ref):
+        ps = _pair_decode(schedule, p, step)
+        return ps.b, 0, _pair_tile(schedule, ps)
+
+    def row_map(p, c, step, firsts_ref, counts_ref):
+        ps = _pair_decode(schedule, p, step)
+        return ps.b, ps.out_qi, 0
+
+    def lse_map(p, c, step, firsts_ref, counts_ref):
+        ps = _pair_decode(schedule, p, step)
+        return ps.b, c, ps.qi, 0, 0
+
+    return dict(q=q_map, kv=kv_map, kmeta=kmeta_map, row=row_map, lse=lse_map)
+
+
 def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, schedule, nh,
-            layout, group, scale, normalize, kl: Optional["FusedKL"] = None):
+            layout, group, scale, normalize, pairs, kl: Optional["FusedKL"] = None):
     refs = list(refs)
     lse_ref = None if mode == "per_head" else refs.pop(0)
     if kl is None:
@@ -188,14 +265,26 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     lanes = min(common.LANES, bk)
     two_pass = mode != "full_lse"
 
-    at = common.teacher_step(schedule, firsts_ref, counts_ref, two_pass=two_pass)
+    if pairs:
+        ps = _pair_decode(schedule, pl.program_id(0), pl.program_id(2))
+        active = ps.k < ps.count
+        at = common.TeacherStep(b=ps.b, qi=ps.qi, c=pl.program_id(1), step=pl.program_id(2), in_pass1=active,
+                                k=jnp.clip(ps.k, 0, jnp.maximum(ps.count - 1, 0)), tile=_pair_tile(schedule, ps),
+                                active=active, last_step=ps.pass2)
+        first_step = ps.k == 0  # of the pass-1 tile
+        out_qi = ps.out_qi
+    else:
+        at = common.teacher_step(schedule, firsts_ref, counts_ref, two_pass=two_pass, single_pass2=cache_scores)
+        first_step = at.step == 0
+        out_qi = at.qi
     qi, c, step, in_pass1, k, tile, active = at.qi, at.c, at.step, at.in_pass1, at.k, at.tile, at.active
 
-    @pl.when((c == 0) & (step == 0))
+    # Pairs (one head chunk): the output block is zeroed by the step that accumulates it, right before pass 2.
+    @pl.when((step == at.last_step) if pairs else ((c == 0) & (step == 0)))
     def _():
         out_ref[...] = jnp.zeros_like(out_ref)
 
-    @pl.when(step == 0)
+    @pl.when(first_step)
     def _():
         if not layout.token_major:
             common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
@@ -241,10 +330,75 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         for w in range(chunk, bk + 1, chunk):
             pl.when(partial & (width == w))(functools.partial(body, True, w))
 
+    def finish_f(m=None, l=None):
+        """F (base 2) from the pass-1 statistics (default: m_ref, l_ref), replicated over lanes: f32 [*view, 128],
+        also stored in f_ref."""
+        m = m_ref[...] if m is None else m
+        l = l_ref[...] if l is None else l
+        lse = common.finish_lse_finite(m, l, base2=True)  # [*view, 1], finite (joint: u included)
+        f = jnp.broadcast_to(lse, f_ref.shape)
+        f_ref[...] = f
+        return f
+
+    def dispatch(body):
+        """Runs body(masked, width) for the step's tile, whose visit the caller has checked (causal schedule:
+        as when_active)."""
+        if not schedule.causal:
+            body(True, bk)
+            return
+        full = schedule.full(qi, tile)
+        pl.when(full)(functools.partial(body, False, bk))
+        if chunk == bk:
+            pl.when(jnp.logical_not(full))(functools.partial(body, True, bk))
+            return
+
+        @pl.when(jnp.logical_not(full))
+        def _():
+            width = schedule.visible_width(qi, tile, chunk)
+            for w in range(chunk, bk + 1, chunk):
+                pl.when(width == w)(functools.partial(body, True, w))
+
+    def cached_pass2():
+        """All of the query tile's cached tiles in one grid step (no per-tile step overhead); F is ready."""
+
+        def accumulate(tile_k, z):
+            f = f_ref[...][..., :lanes]
+            for j, z_lanes in enumerate(common.lane_chunks(z, lanes)):
+                probs = jnp.sum(jnp.exp2(z_lanes - f), axis=layout.head_axis)  # [bq, lanes]
+                if bk == out_ref.shape[-1]:
+                    out_ref[:, j * lanes:(j + 1) * lanes] += probs
+                else:
+                    start = pl.multiple_of(tile_k * bk + j * lanes, 128)
+                    out_ref[:, pl.ds(start, lanes)] += probs
+
+        count = schedule.count(counts_ref, at.b, out_qi)
+        first_tile = schedule.first(firsts_ref, at.b, out_qi)
+        last_tile = first_tile + count - 1
+
+        def last_width(w):
+            accumulate(last_tile, cache_ref[count - 1] if w == bk else cache_ref[count - 1, ..., :w])
+
+        if chunk == bk:
+            last_width(bk)
+        else:
+            width = schedule.visible_width(out_qi, last_tile, chunk)
+            for w in range(chunk, bk + 1, chunk):
+                pl.when(width == w)(functools.partial(last_width, w))
+
+        def body(i, carry):
+            accumulate(first_tile + i, cache_ref[i])
+            return carry
+
+        lax.fori_loop(0, count - 1, body, 0)
+
+    # Cached scores are already masked; the chunks past the visible width were never written (nor are they read).
+    if cache_scores:  # ahead of pass 1: with pairs, this step's pass-1 work belongs to the next tile
+        pl.when((step == at.last_step) & (schedule.count(counts_ref, at.b, out_qi) > 0))(cached_pass2)
+
     if two_pass:
         # The first visited tile writes the statistics (no initialisation pass over them); a query tile that
         # visits none still gets them initialised, for a well-defined (unused) F.
-        @pl.when((step == 0) & jnp.logical_not(active))
+        @pl.when(first_step & jnp.logical_not(active))
         def _():
             m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -257,30 +411,40 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             seen = lane0 & (u > common.STAT_FLOOR)
             return (jnp.where(seen, u, common.STAT_FLOOR), jnp.where(seen, 1.0, 0.0))
 
-        def pass1(first, masked, width):
+        def pass1(first, last, masked, width):
             z = scores(masked, width)
             seed = joint_seed() if first and mode == "joint" else None
-            common.online_lse_update(m_ref, l_ref, z, lanes, first=first, seed=seed, base2=True)
+            # The last update feeds F directly: its statistics never go back to VMEM.
+            stats = common.online_lse_update(m_ref, l_ref, z, lanes, first=first, seed=seed, base2=True,
+                                             store=not last)
             if cache_scores:
                 if width == bk:
                     cache_ref[k] = z
                 else:
                     cache_ref[k, ..., :width] = z
+            if last:
+                # F right behind the last matmul: its cross-lane reductions (XLU) and exponentials share the
+                # MXU-bound step instead of opening pass 2.
+                finish_f(*stats)
 
-        when_active(in_pass1 & (k == 0), functools.partial(pass1, True))
-        when_active(in_pass1 & (k > 0), functools.partial(pass1, False))
-
-    def finish_f():
-        """F (base 2) from the pass-1 statistics, replicated over lanes: f32 [*view, 128], also stored in f_ref."""
-        lse = common.finish_lse_finite(m_ref[...], l_ref[...], base2=True)  # [*view, 1], finite (joint: u included)
-        f = jnp.broadcast_to(lse, f_ref.shape)
-        f_ref[...] = f
-        return f
+        # Nested conditions: a step outside pass 1 (or past the query tile's tiles) pays one branch, not one per
+        # variant (each untaken pl.when costs ~10 bundles of scalar work and delay slots).
+        @pl.when(in_pass1 & active)
+        def _():
+            last = k == schedule.count(counts_ref, at.b, qi) - 1
+            for first in (True, False):
+                @pl.when((k == 0) if first else (k > 0))
+                def _():
+                    if not cache_scores:
+                        dispatch(functools.partial(pass1, first, False))
+                        return
+                    pl.when(last)(lambda: dispatch(functools.partial(pass1, first, True)))
+                    pl.when(jnp.logical_not(last))(lambda: dispatch(functools.partial(pass1, first, False)))
 
     def pass2(first, masked, width):
-        z = (cache_ref[k] if width == bk else cache_ref[k, ..., :width]) if cache_scores else scores(masked, width)
+        z = scores(masked, width)  # (cached scores: `cached_pass2`)
         # The first pass-2 step computes F itself: its cross-lane reductions (XLU-bound) then share a basic block
-        # with the matmul (uncached) or with the exponentials of the rows already finished (cached), and hide.
+        # with the matmul, and hide.
         f = finish_f() if first else f_ref[...]
         f = f[..., :lanes]
         for j, z_lanes in enumerate(common.lane_chunks(z, lanes)):
@@ -291,17 +455,16 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 start = pl.multiple_of(tile * bk + j * lanes, 128)
                 out_ref[:, pl.ds(start, lanes)] += probs
 
-    # Cached scores are already masked; the chunks past the visible width were never written (nor are they read).
     if not two_pass:
         when_active(jnp.logical_not(in_pass1), functools.partial(pass2, False))
-    else:  # F is computed in the first pass-2 step (a query tile with no visited tile needs none)
+    elif not cache_scores:  # F is computed in the first pass-2 step (a query tile with no visited tile needs none)
         when_active(jnp.logical_not(in_pass1) & (k == 0), functools.partial(pass2, True))
         when_active(jnp.logical_not(in_pass1) & (k > 0), functools.partial(pass2, False))
 
     if kl is not None:
         @pl.when((c == nh - 1) & (step == at.last_step))
         def _():
-            visible_at, nonempty = _dense_visibility(kl, qmeta_ref, krow_ref, qi=qi, schedule=schedule)
+            visible_at, nonempty = _dense_visibility(kl, qmeta_ref, krow_ref, qi=out_qi, schedule=schedule)
             kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, visible_at=visible_at, nonempty_rows=nonempty)
     elif normalize:
         @pl.when((c == nh - 1) & (step == at.last_step))
@@ -435,8 +598,14 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     nq, nk, nh = s_p // bq, n_p // bk, h // hc
     group = common.head_group(h, hc, q.dtype)
     layout = common.row_layout(h, hc, bq, q.dtype)
-    steps = 2 * nk if mode != "full_lse" else nk
     cached = cfg.cache_scores and mode != "full_lse"
+    steps = nk if mode == "full_lse" else (nk + 1 if cached else 2 * nk)  # cached: pass 2 is one step
+    # Causal cached single-chunk runs walk query tiles in pairs (qi, nq-1-qi), each pair with the same number of
+    # steps, instead of nk + 1 steps per tile of which the early tiles leave most idle (~200 bundles each).
+    # Head chunks (nh > 1) would revisit an output block after the other tile of the pair: not paired.
+    pairs = cached and schedule.causal and nh == 1 and _pairs_fit(schedule)
+    if pairs:
+        steps = _pair_steps(schedule)
 
     if mode == "full_lse":
         step_to_k = lambda step: step
@@ -445,6 +614,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     else:
         step_to_k = lambda step: jnp.where(step < nk, step, step - nk)
     maps = common.teacher_index_maps(nq=nq, head_chunk=hc, group=group, schedule=schedule, step_to_k=step_to_k)
+    if pairs:
+        maps = _pair_index_maps(head_chunk=hc, group=group, schedule=schedule)
 
     in_specs = [
         pl.BlockSpec((None, bq, group, d), maps["q"]),
@@ -484,14 +655,14 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     if kl is not None:
         scratch.append(pltpu.VMEM((bq, n_p), jnp.float32))
     kernel = functools.partial(_kernel, mode=mode, cache_scores=cached, schedule=schedule, nh=nh, layout=layout,
-                               group=group, scale=scale, normalize=normalize, kl=kl)
+                               group=group, scale=scale, normalize=normalize, pairs=pairs, kl=kl)
     flops = 2 * b * s_p * h * n_p * d * (1 if cached or mode == "full_lse" else 2)
     order = "tok" if layout.token_major else "head"
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(b * nq, nh, steps),
+            grid=(b * (nq // 2 if pairs else nq), nh, steps),
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=scratch,
