@@ -250,3 +250,22 @@ def test_bf16_logits_gradient_is_the_rounded_f32_gradient():
     ulp = np.abs(np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32)) * 2.0 ** -7
     assert np.all(np.abs(got - want) <= ulp + 1e-12)
     assert np.any(got != 0)
+
+
+@pytest.mark.parametrize("seq, heads, ratio, block_q, block_k, target", [
+    (500, 8, 1, 16, 128, "per_head"),  # token-major rows, 1..4 kv tiles per query tile, padding rows
+    (500, 2, 2, 32, 128, "joint"),  # head-major rows
+    (512, 2, 32, 16, 16, "joint"),  # the first query tile sees no block
+])
+def test_paired_causal_query_tiles(seq, heads, ratio, block_q, block_k, target):
+    # Default ids, cached scores, one head chunk and an even number of query tiles: tiles (i, nq-1-i) share one
+    # walk of grid steps, the first tile's pass 2 (and fused KL) in the second tile's first step.
+    from csa_pallas import ops
+    from csa_pallas.kernels import teacher as teacher_kernel
+    arrays = make_case(15, seq=seq, heads=heads, head_dim=32, ratio=ratio)
+    cfg = TeacherConfig(block_q=block_q, block_k=block_k, head_chunk=heads, cache_scores=True,
+                        vmem_limit_bytes=32 << 20)
+    problem = validation.validate(arrays["q"], arrays["compressed_kv"], compress_ratio=ratio, target="per_head")
+    schedule = ops.dense_layout(problem, cfg).schedule
+    assert schedule.causal and teacher_kernel._pairs_fit(schedule)
+    assert_matches(run_case(arrays, target=target, ratio=ratio, head_chunk=heads, cfg=cfg))
