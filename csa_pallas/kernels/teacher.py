@@ -278,6 +278,12 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         first_step = at.step == 0
         out_qi = at.qi
     qi, c, step, in_pass1, k, tile, active = at.qi, at.c, at.step, at.in_pass1, at.k, at.tile, at.active
+    # With pairs (one head chunk), the first tile's last step is the second tile's first pass-1 step (k == 0).
+    epilogue_in_pass1 = pairs and kl is not None
+
+    def fused_epilogue():
+        visible_at, nonempty = _dense_visibility(kl, qmeta_ref, krow_ref, qi=out_qi, schedule=schedule)
+        kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, visible_at=visible_at, nonempty_rows=nonempty)
 
     # Pairs (one head chunk): the output block is zeroed by the step that accumulates it, right before pass 2.
     @pl.when((step == at.last_step) if pairs else ((c == 0) & (step == 0)))
@@ -411,7 +417,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             seen = lane0 & (u > common.STAT_FLOOR)
             return (jnp.where(seen, u, common.STAT_FLOOR), jnp.where(seen, 1.0, 0.0))
 
-        def pass1(first, last, masked, width):
+        def pass1(first, last, finalize, masked, width):
             z = scores(masked, width)
             seed = joint_seed() if first and mode == "joint" else None
             # The last update feeds F directly: its statistics never go back to VMEM.
@@ -426,6 +432,8 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 # F right behind the last matmul: its cross-lane reductions (XLU) and exponentials share the
                 # MXU-bound step instead of opening pass 2.
                 finish_f(*stats)
+            if finalize:  # the previous tile's KL epilogue, in the same basic block as this MXU-bound matmul
+                fused_epilogue()
 
         # Nested conditions: a step outside pass 1 (or past the query tile's tiles) pays one branch, not one per
         # variant (each untaken pl.when costs ~10 bundles of scalar work and delay slots).
@@ -436,10 +444,15 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 @pl.when((k == 0) if first else (k > 0))
                 def _():
                     if not cache_scores:
-                        dispatch(functools.partial(pass1, first, False))
+                        dispatch(functools.partial(pass1, first, False, False))
                         return
-                    pl.when(last)(lambda: dispatch(functools.partial(pass1, first, True)))
-                    pl.when(jnp.logical_not(last))(lambda: dispatch(functools.partial(pass1, first, False)))
+                    for finalize in ((False, True) if first and epilogue_in_pass1 else (False,)):
+                        finishing = step == at.last_step
+                        cond = finishing if finalize else jnp.logical_not(finishing) if first and epilogue_in_pass1 \
+                            else True
+                        pl.when(cond & last)(lambda: dispatch(functools.partial(pass1, first, True, finalize)))
+                        pl.when(cond & jnp.logical_not(last))(
+                            lambda: dispatch(functools.partial(pass1, first, False, finalize)))
 
     def pass2(first, masked, width):
         z = scores(masked, width)  # (cached scores: `cached_pass2`)
@@ -462,10 +475,10 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         when_active(jnp.logical_not(in_pass1) & (k > 0), functools.partial(pass2, False))
 
     if kl is not None:
-        @pl.when((c == nh - 1) & (step == at.last_step))
-        def _():
-            visible_at, nonempty = _dense_visibility(kl, qmeta_ref, krow_ref, qi=out_qi, schedule=schedule)
-            kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, visible_at=visible_at, nonempty_rows=nonempty)
+        # Pairs: the first tile's epilogue runs inside the second tile's first pass-1 step (see pass1).
+        standalone = (step == at.last_step) & jnp.logical_not(active) if epilogue_in_pass1 else (
+            (c == nh - 1) & (step == at.last_step))
+        pl.when(standalone)(fused_epilogue)
     elif normalize:
         @pl.when((c == nh - 1) & (step == at.last_step))
         def _():
