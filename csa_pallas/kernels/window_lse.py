@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,8 @@ from jax.experimental.pallas import tpu as pltpu
 from csa_pallas.kernels import common
 
 MiB = 1 << 20
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,36 +90,79 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, dtype, head_c
     return dataclasses.replace(cfg, vmem_limit_bytes=min(max(int(need * 1.25) + 4 * MiB, 32 * MiB), 64 * MiB))
 
 
-def _kernel(q_ref, kv_ref, qmeta_ref, kmeta_ref, out_ref, m_ref, l_ref, *rows, nq, num_kv_tiles, layout, block_k,
-            group, window_size, scale, key_offset):
+def _kernel(q_ref, kv_ref, *refs, nq, num_kv_tiles, layout, block_k, group, window_size, scale, key_offset,
+            seq_len, lane_dense):
     bq, bk, hc = layout.block_q, block_k, layout.head_chunk
+    iota_mask = seq_len is not None
+    if iota_mask:
+        qmeta_ref = kmeta_ref = None
+    else:
+        qmeta_ref, kmeta_ref, *refs = refs
+    out_ref, m_ref, l_ref, *rows = refs
     rows_ref = rows[0] if rows else None
     p = pl.program_id(0)
     c = pl.program_id(1)
     k = pl.program_id(2)
     qi = common.zigzag(common.index_rem(p, nq), nq)
     first, last = _band(qi, bq, bk, window_size, num_kv_tiles, key_offset)
+    tile = first + k
 
-    @pl.when(k == 0)
-    def _():
-        if not layout.token_major:
+    if not layout.token_major:
+        @pl.when(k == 0)
+        def _():
             common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
-        m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
 
-    @pl.when(first + k <= last)
-    def _():
+    def scores():
+        """Masked scores in base 2 (scale * log2(e) folded into one multiply), f32 [rows, bk]."""
         rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
-        z = lax.dot_general(rows, kv_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        delta = qmeta_ref[:, 1:2] - kmeta_ref[1:2, :]
-        inside = ((kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (delta >= 0) & (delta < window_size)
-                  & (kmeta_ref[2:3, :] != 0))
+        z = lax.dot_general(rows, kv_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        z = z * (scale * LOG2E)
+        if iota_mask:
+            # Default ids: query t sees keys (t - W, t] that exist; positions are iotas against static offsets.
+            delta = (qi * bq - tile * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+                     - lax.broadcasted_iota(jnp.int32, (bq, bk), 1))
+            key = tile * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            inside = (delta >= 0) & (delta < window_size) & (key < seq_len)
+        else:
+            delta = qmeta_ref[:, 1:2] - kmeta_ref[1:2, :]
+            inside = ((kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (delta >= 0) & (delta < window_size)
+                      & (kmeta_ref[2:3, :] != 0))
         z = jnp.where(layout.expand_mask(inside), z.reshape(*layout.view, bk), -jnp.inf)
-        common.online_lse_update(m_ref, l_ref, z, min(common.LANES, bk))
+        return z.reshape(layout.rows, bk)
+
+    def update(first_tile):
+        z = scores()
+        if lane_dense:
+            # Keys go to sublanes (one XLU transpose per 128x128 block): the reductions over keys become
+            # elementwise across vregs, and the statistics of 128 rows fit one lane-dense vreg row.
+            zt = jnp.swapaxes(z.reshape(layout.rows // 128, 128, bk), 1, 2)  # [rows/128, bk, 128]
+            m_new = jnp.max(zt, axis=1)
+            m_new = jnp.maximum(m_new, common.STAT_FLOOR if first_tile else m_ref[...])
+            total = jnp.sum(jnp.exp2(zt - m_new[:, None, :]), axis=1)
+            if not first_tile:
+                total = total + l_ref[...] * jnp.exp2(m_ref[...] - m_new)
+            m_ref[...] = m_new
+            l_ref[...] = total
+        else:
+            common.online_lse_update(m_ref, l_ref, z.reshape(*layout.view, bk), min(common.LANES, bk),
+                                     first=first_tile, base2=True)
+
+    # The first tile writes the statistics; it is always visited (the band's first tile holds key t - W + 1 or 0).
+    pl.when(k == 0)(functools.partial(update, True))
+    pl.when((k > 0) & (tile <= last))(functools.partial(update, False))
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _():
-        out_ref[...] = layout.column_to_block(common.finish_lse(m_ref[...], l_ref[...]))
+        if lane_dense:
+            total = l_ref[...]
+            lse = m_ref[...] + jnp.log2(jnp.where(total > 0, total, 1.0))
+            out_ref[...] = jnp.where(total > 0, lse * LN2, -jnp.inf)
+        else:
+            m, l = m_ref[...], l_ref[...]
+            row_max = jnp.max(m, axis=-1, keepdims=True)
+            total = jnp.sum(l * jnp.exp2(m - row_max), axis=-1, keepdims=True)
+            lse = row_max + jnp.log2(jnp.where(total > 0, total, 1.0))
+            out_ref[...] = layout.column_to_block(jnp.where(total > 0, lse * LN2, -jnp.inf))
 
 
 def _band(qi, bq, bk, window_size, num_kv_tiles, key_offset):
@@ -126,7 +172,7 @@ def _band(qi, bq, bk, window_size, num_kv_tiles, key_offset):
 
 
 def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_size: int, scale: float,
-                      key_offset: int = 0, interpret=False):
+                      key_offset: int = 0, seq_len=None, interpret=False):
     """Window log-sum-exp per (query, head).
 
     Args:
@@ -134,6 +180,8 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
         of cfg.block_k.
       qmeta: int32 [B, S_p, 128] (lane 0 segment, lane 1 position).
       wmeta: int32 [B, 8, S_kv_p] (row 0 segment, row 1 position, row 2 = 1 for real keys, 0 for padding).
+      seq_len: default ids (one document, positions 0..S-1, S_kv == S, key_offset 0): the real length S; the
+        mask then comes from iota positions and qmeta/wmeta are not read (pass None for them).
       key_offset: query t's window lies in key rows [t + key_offset - W + 1, t + key_offset] (0: the key sequence
         is the query sequence; W - 1: the keys carry a W - 1 row halo before the queries, context parallelism).
 
@@ -170,23 +218,30 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
     def out_map(p, c, k):
         return common.index_div(p, nq), c, common.zigzag(common.index_rem(p, nq), nq), 0, 0
 
+    if seq_len is not None and key_offset:
+        raise ValueError("seq_len (default ids) requires key_offset 0")
+    # Statistics lane-dense over rows (keys moved to sublanes) when the rows and keys tile into 128x128 blocks.
+    lane_dense = layout.rows % 128 == 0 and bk % 128 == 0
     kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, layout=layout, block_k=bk, group=group,
-                               window_size=window_size, scale=scale, key_offset=key_offset)
-    lanes = min(common.LANES, bk)
-    scratch = [pltpu.VMEM((*layout.view, lanes), jnp.float32), pltpu.VMEM((*layout.view, lanes), jnp.float32)]
+                               window_size=window_size, scale=scale, key_offset=key_offset, seq_len=seq_len,
+                               lane_dense=lane_dense)
+    stats = (layout.rows // 128, 128) if lane_dense else (*layout.view, min(common.LANES, bk))
+    scratch = [pltpu.VMEM(stats, jnp.float32), pltpu.VMEM(stats, jnp.float32)]
     if not layout.token_major:
         scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
-    return pl.pallas_call(
+    out_block = stats if lane_dense else layout.view
+    in_specs = [pl.BlockSpec((None, bq, group, d), q_map), pl.BlockSpec((None, bk, d), kv_map)]
+    operands = [q, window_kv]
+    if seq_len is None:
+        in_specs += [pl.BlockSpec((None, bq, common.LANES), qmeta_map),
+                     pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map)]
+        operands += [qmeta, wmeta]
+    out = pl.pallas_call(
         kernel,
         grid=(b * nq, nh, band),
-        in_specs=[
-            pl.BlockSpec((None, bq, group, d), q_map),
-            pl.BlockSpec((None, bk, d), kv_map),
-            pl.BlockSpec((None, bq, common.LANES), qmeta_map),
-            pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map),
-        ],
-        out_specs=pl.BlockSpec((None, None, None, *layout.view), out_map),
-        out_shape=jax.ShapeDtypeStruct((b, nh, nq, *layout.view), jnp.float32),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, None, *out_block), out_map),
+        out_shape=jax.ShapeDtypeStruct((b, nh, nq, *out_block), jnp.float32),
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
@@ -194,4 +249,5 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
                                       bytes_accessed=q.size * q.dtype.itemsize),
         interpret=interpret,
         name=f"csa_window_lse_bq{bq}_bk{bk}_hc{hc}_{'tok' if layout.token_major else 'head'}",
-    )(q, window_kv, qmeta, wmeta)
+    )(*operands)
+    return out.reshape(b, nh, nq, *layout.view)  # row-major over the step's rows either way
