@@ -141,14 +141,11 @@ def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig
             key_valid = jnp.ones((b, problem.kv_len), bool)
         wmeta = wmeta.at[:, 2, :].set(pad_axis(key_valid.astype(jnp.int32), 1, kv_p))
         seq_len = None
-    lse = window_kernel.window_lse_pallas(q, kv, qmeta, wmeta, cfg=cfg, window_size=problem.window_size,
+    sinks = None if problem.sinks is None else jax.lax.stop_gradient(problem.sinks).astype(jnp.float32)
+    lse = window_kernel.window_lse_pallas(q, kv, qmeta, wmeta, sinks, cfg=cfg, window_size=problem.window_size,
                                           scale=problem.softmax_scale, key_offset=key_offset, seq_len=seq_len,
                                           interpret=runtime.interpret_mode())
-    lse = common.row_layout(h, cfg.head_chunk, cfg.block_q, dtype).stats_from_hbm(lse)[:, :s]
-    if problem.sinks is not None:
-        sinks = jax.lax.stop_gradient(problem.sinks).astype(jnp.float32)
-        lse = jnp.logaddexp(lse, sinks[None, None, :])
-    return lse
+    return common.row_layout(h, cfg.head_chunk, cfg.block_q, dtype).stats_from_hbm(lse)[:, :s]
 
 
 @dataclasses.dataclass(frozen=True)

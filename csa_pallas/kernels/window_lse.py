@@ -29,6 +29,7 @@ from csa_pallas.kernels import common
 MiB = 1 << 20
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+MAX_TILES_PER_STEP = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +69,11 @@ def vmem_bytes(cfg: WindowConfig, *, num_heads: int, head_dim: int, dtype) -> in
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     g = common.head_group(num_heads, hc, dtype)
     rows = hc * bq
-    blocks = 2 * (bq * common.round_up(g, 16) * head_dim * isz + bk * head_dim * isz + bq * common.LANES * 4
-                  + common.SUBLANES * max(bk, 128) * 4 + common.round_up(hc, 8) * max(bq, 128) * 4)
+    tiles = MAX_TILES_PER_STEP  # upper bound: the band is not known here
+    blocks = 2 * (bq * common.round_up(g, 16) * head_dim * isz + tiles * bk * head_dim * isz + bq * common.LANES * 4
+                  + tiles * common.SUBLANES * max(bk, 128) * 4 + 2 * common.round_up(hc, 8) * max(bq, 128) * 4)
     scratch = rows * head_dim * isz + 2 * rows * 128 * 4
-    temporaries = 4 * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
+    temporaries = 4 * tiles * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
     return blocks + scratch + temporaries
 
 
@@ -90,14 +92,14 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, dtype, head_c
     return dataclasses.replace(cfg, vmem_limit_bytes=min(max(int(need * 1.25) + 4 * MiB, 32 * MiB), 64 * MiB))
 
 
-def _kernel(q_ref, kv_ref, *refs, nq, num_kv_tiles, layout, block_k, group, window_size, scale, key_offset,
-            seq_len, lane_dense):
+def _kernel(q_ref, *refs, nq, num_kv_tiles, tiles, layout, block_k, group, window_size, scale, key_offset, seq_len,
+            lane_dense, with_sinks):
     bq, bk, hc = layout.block_q, block_k, layout.head_chunk
     iota_mask = seq_len is not None
-    if iota_mask:
-        qmeta_ref = kmeta_ref = None
-    else:
-        qmeta_ref, kmeta_ref, *refs = refs
+    kv_refs, refs = refs[:tiles], refs[tiles:]
+    if not iota_mask:
+        qmeta_ref, kmeta_refs, refs = refs[0], refs[1:tiles + 1], refs[tiles + 1:]
+    sink_ref, *refs = refs if with_sinks else (None, *refs)
     out_ref, m_ref, l_ref, *rows = refs
     rows_ref = rows[0] if rows else None
     p = pl.program_id(0)
@@ -105,17 +107,17 @@ def _kernel(q_ref, kv_ref, *refs, nq, num_kv_tiles, layout, block_k, group, wind
     k = pl.program_id(2)
     qi = common.zigzag(common.index_rem(p, nq), nq)
     first, last = _band(qi, bq, bk, window_size, num_kv_tiles, key_offset)
-    tile = first + k
 
     if not layout.token_major:
         @pl.when(k == 0)
         def _():
             common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
 
-    def scores():
-        """Masked scores in base 2 (scale * log2(e) folded into one multiply), f32 [rows, bk]."""
+    def scores(i):
+        """Masked scores of the step's i-th tile in base 2 (scale * log2(e) in one multiply), f32 [rows, bk]."""
+        tile = first + k * tiles + i  # unclamped: a tile past `last` repeats `last` and must be masked out whole
         rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
-        z = lax.dot_general(rows, kv_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        z = lax.dot_general(rows, kv_refs[i][...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         z = z * (scale * LOG2E)
         if iota_mask:
             # Default ids: query t sees keys (t - W, t] that exist; positions are iotas against static offsets.
@@ -124,62 +126,74 @@ def _kernel(q_ref, kv_ref, *refs, nq, num_kv_tiles, layout, block_k, group, wind
             key = tile * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             inside = (delta >= 0) & (delta < window_size) & (key < seq_len)
         else:
+            kmeta_ref = kmeta_refs[i]
             delta = qmeta_ref[:, 1:2] - kmeta_ref[1:2, :]
             inside = ((kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (delta >= 0) & (delta < window_size)
-                      & (kmeta_ref[2:3, :] != 0))
+                      & (kmeta_ref[2:3, :] != 0) & (tile <= last))
         z = jnp.where(layout.expand_mask(inside), z.reshape(*layout.view, bk), -jnp.inf)
         return z.reshape(layout.rows, bk)
 
-    def update(first_tile):
-        z = scores()
+    def update(first_step):
         if lane_dense:
-            # Keys go to sublanes (one XLU transpose per 128x128 block): the reductions over keys become
-            # elementwise across vregs, and the statistics of 128 rows fit one lane-dense vreg row.
-            zt = jnp.swapaxes(z.reshape(layout.rows // 128, 128, bk), 1, 2)  # [rows/128, bk, 128]
-            m_new = jnp.max(zt, axis=1)
-            m_new = jnp.maximum(m_new, common.STAT_FLOOR if first_tile else m_ref[...])
-            total = jnp.sum(jnp.exp2(zt - m_new[:, None, :]), axis=1)
-            if not first_tile:
-                total = total + l_ref[...] * jnp.exp2(m_ref[...] - m_new)
+            # Keys go to sublanes (XLU transposes of 128x128 blocks): the reductions over keys become elementwise
+            # across vregs, and the statistics of 128 rows fill one lane-dense vreg row.
+            zt = [jnp.swapaxes(scores(i).reshape(layout.rows // 128, 128, bk), 1, 2) for i in range(tiles)]
+            m_new = m_ref[...] if not first_step else common.STAT_FLOOR
+            for z in zt:
+                m_new = jnp.maximum(m_new, jnp.max(z, axis=1))
+            total = None if first_step else l_ref[...] * jnp.exp2(m_ref[...] - m_new)
+            for z in zt:
+                part = jnp.sum(jnp.exp2(z - m_new[:, None, :]), axis=1)
+                total = part if total is None else total + part
             m_ref[...] = m_new
             l_ref[...] = total
         else:
-            common.online_lse_update(m_ref, l_ref, z.reshape(*layout.view, bk), min(common.LANES, bk),
-                                     first=first_tile, base2=True)
+            for i in range(tiles):
+                common.online_lse_update(m_ref, l_ref, scores(i).reshape(*layout.view, bk), min(common.LANES, bk),
+                                         first=first_step and i == 0, base2=True)
 
-    # The first tile writes the statistics; it is always visited (the band's first tile holds key t - W + 1 or 0).
+    # The first step writes the statistics; it is always active (the band's first tile holds key t - W + 1 or 0).
     pl.when(k == 0)(functools.partial(update, True))
-    pl.when((k > 0) & (tile <= last))(functools.partial(update, False))
+    pl.when((k > 0) & (first + k * tiles <= last))(functools.partial(update, False))
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _():
-        if lane_dense:
-            total = l_ref[...]
-            lse = m_ref[...] + jnp.log2(jnp.where(total > 0, total, 1.0))
-            out_ref[...] = jnp.where(total > 0, lse * LN2, -jnp.inf)
-        else:
-            m, l = m_ref[...], l_ref[...]
+        m, total = m_ref[...], l_ref[...]
+        if not lane_dense:  # per-lane statistics [*view, lanes] -> columns -> the stats block
             row_max = jnp.max(m, axis=-1, keepdims=True)
-            total = jnp.sum(l * jnp.exp2(m - row_max), axis=-1, keepdims=True)
-            lse = row_max + jnp.log2(jnp.where(total > 0, total, 1.0))
-            out_ref[...] = layout.column_to_block(jnp.where(total > 0, lse * LN2, -jnp.inf))
+            total = layout.column_to_block(jnp.sum(total * jnp.exp2(m - row_max), axis=-1, keepdims=True))
+            m = layout.column_to_block(row_max)
+        if with_sinks:  # the sink is one more term of the sum (u = logaddexp(lse, sink)), here in base 2
+            sink = sink_ref[...] * LOG2E
+            top = jnp.maximum(m, sink)
+            total = total * jnp.exp2(m - top) + jnp.exp2(sink - top)
+            m = top
+        lse = m + jnp.log2(jnp.where(total > 0, total, 1.0))
+        out_ref[...] = jnp.where(total > 0, lse * LN2, -jnp.inf)
 
 
 def _band(qi, bq, bk, window_size, num_kv_tiles, key_offset):
-    first = lax.div(jnp.maximum(qi * bq + key_offset - (window_size - 1), 0), bk)
-    last = jnp.minimum(lax.div(qi * bq + bq - 1 + key_offset, bk), num_kv_tiles - 1)
+    first = common.index_div(jnp.maximum(qi * bq + key_offset - (window_size - 1), 0), bk)
+    last = jnp.minimum(common.index_div(qi * bq + bq - 1 + key_offset, bk), num_kv_tiles - 1)
     return first, last
 
 
-def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_size: int, scale: float,
+def tiles_per_step(band: int) -> int:
+    """Key tiles one grid step computes: the whole band when it is short (fewer grid steps, each with its fixed
+    pipeline cost), else one (the step's scores stay small in VMEM)."""
+    return band if band <= MAX_TILES_PER_STEP else 1
+
+
+def window_lse_pallas(q, window_kv, qmeta, wmeta, sinks=None, *, cfg: WindowConfig, window_size: int, scale: float,
                       key_offset: int = 0, seq_len=None, interpret=False):
-    """Window log-sum-exp per (query, head).
+    """Window log-sum-exp per (query, head), with the sinks folded in when given.
 
     Args:
       q: [B, S_p, H, D]; window_kv: [B, S_kv_p, D] (same dtype); S_p = `padded_len(S, cfg)`, S_kv_p a multiple
         of cfg.block_k.
       qmeta: int32 [B, S_p, 128] (lane 0 segment, lane 1 position).
       wmeta: int32 [B, 8, S_kv_p] (row 0 segment, row 1 position, row 2 = 1 for real keys, 0 for padding).
+      sinks: optional f32 [H]; the result is then logaddexp(lse, sinks[h]).
       seq_len: default ids (one document, positions 0..S-1, S_kv == S, key_offset 0): the real length S; the
         mask then comes from iota positions and qmeta/wmeta are not read (pass None for them).
       key_offset: query t's window lies in key rows [t + key_offset - W + 1, t + key_offset] (0: the key sequence
@@ -192,24 +206,27 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     nq, nkt, nh = s_p // bq, window_kv.shape[1] // bk, h // hc
     band = band_tiles(cfg, window_size, nkt, nq, key_offset)
+    tiles = tiles_per_step(band)
     group = common.head_group(h, hc, q.dtype)
     layout = common.row_layout(h, hc, bq, q.dtype)
+    if seq_len is not None and key_offset:
+        raise ValueError("seq_len (default ids) requires key_offset 0")
 
-    def kv_tile(p, k):
+    def kv_tile(p, k, i):
         qi = common.zigzag(common.index_rem(p, nq), nq)
         first, last = _band(qi, bq, bk, window_size, nkt, key_offset)
-        return common.index_div(p, nq), jnp.minimum(first + k, last)
+        return common.index_div(p, nq), jnp.minimum(first + k * tiles + i, last)
 
     def q_map(p, c, k):
         qi = common.zigzag(common.index_rem(p, nq), nq)
         return common.index_div(p, nq), qi, common.index_div(c * hc, group), 0
 
-    def kv_map(p, c, k):
-        bb, tile = kv_tile(p, k)
+    def kv_map(i, p, c, k):
+        bb, tile = kv_tile(p, k, i)
         return bb, tile, 0
 
-    def kmeta_map(p, c, k):
-        bb, tile = kv_tile(p, k)
+    def kmeta_map(i, p, c, k):
+        bb, tile = kv_tile(p, k, i)
         return bb, 0, tile
 
     def qmeta_map(p, c, k):
@@ -218,27 +235,33 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
     def out_map(p, c, k):
         return common.index_div(p, nq), c, common.zigzag(common.index_rem(p, nq), nq), 0, 0
 
-    if seq_len is not None and key_offset:
-        raise ValueError("seq_len (default ids) requires key_offset 0")
-    # Statistics lane-dense over rows (keys moved to sublanes) when the rows and keys tile into 128x128 blocks.
+    # Statistics lane-dense over rows (keys moved to sublanes) when rows and keys tile into 128x128 blocks.
     lane_dense = layout.rows % 128 == 0 and bk % 128 == 0
-    kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, layout=layout, block_k=bk, group=group,
-                               window_size=window_size, scale=scale, key_offset=key_offset, seq_len=seq_len,
-                               lane_dense=lane_dense)
+    kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, tiles=tiles, layout=layout, block_k=bk,
+                               group=group, window_size=window_size, scale=scale, key_offset=key_offset,
+                               seq_len=seq_len, lane_dense=lane_dense, with_sinks=sinks is not None)
     stats = (layout.rows // 128, 128) if lane_dense else (*layout.view, min(common.LANES, bk))
+    out_block = stats if lane_dense else layout.view
+    in_specs = [pl.BlockSpec((None, bq, group, d), q_map)]
+    in_specs += [pl.BlockSpec((None, bk, d), functools.partial(kv_map, i)) for i in range(tiles)]
+    operands = [q] + [window_kv] * tiles
+    if seq_len is None:
+        in_specs.append(pl.BlockSpec((None, bq, common.LANES), qmeta_map))
+        in_specs += [pl.BlockSpec((None, common.SUBLANES, bk), functools.partial(kmeta_map, i))
+                     for i in range(tiles)]
+        operands += [qmeta] + [wmeta] * tiles
+    if sinks is not None:  # per head chunk, in the output block's row order
+        sink_rows = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(nh, hc)[:, None, :], (nh, bq, hc))
+        if not layout.token_major:
+            sink_rows = jnp.swapaxes(sink_rows, 1, 2)
+        in_specs.append(pl.BlockSpec((None, *out_block), lambda p, c, k: (c, 0, 0)))
+        operands.append(sink_rows.reshape(nh, *out_block))
     scratch = [pltpu.VMEM(stats, jnp.float32), pltpu.VMEM(stats, jnp.float32)]
     if not layout.token_major:
         scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
-    out_block = stats if lane_dense else layout.view
-    in_specs = [pl.BlockSpec((None, bq, group, d), q_map), pl.BlockSpec((None, bk, d), kv_map)]
-    operands = [q, window_kv]
-    if seq_len is None:
-        in_specs += [pl.BlockSpec((None, bq, common.LANES), qmeta_map),
-                     pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map)]
-        operands += [qmeta, wmeta]
     out = pl.pallas_call(
         kernel,
-        grid=(b * nq, nh, band),
+        grid=(b * nq, nh, common.cdiv(band, tiles)),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, None, *out_block), out_map),
         out_shape=jax.ShapeDtypeStruct((b, nh, nq, *out_block), jnp.float32),
