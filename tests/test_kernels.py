@@ -250,3 +250,26 @@ def test_bf16_logits_gradient_is_the_rounded_f32_gradient():
     ulp = np.abs(np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32)) * 2.0 ** -7
     assert np.all(np.abs(got - want) <= ulp + 1e-12)
     assert np.any(got != 0)
+
+
+@pytest.mark.parametrize("window", [7, 128, 200])
+@pytest.mark.parametrize("heads,head_chunk,bf16", [(16, 16, True), (4, 4, False), (4, 2, False)])
+@pytest.mark.parametrize("num_docs", [1, 2])
+def test_window_lse_layouts(window, heads, head_chunk, bf16, num_docs):
+    # Lane-dense statistics token-major (bf16, 16 heads) and head-major (f32, all heads), the per-lane fallback
+    # (2 of 4 heads); default ids (iota mask) and packed documents; W below, at and above the 128-key tile (one
+    # step for the band, or one tile per step); S not a multiple of the query tile.
+    arrays = make_case(9, seq=300, heads=heads, head_dim=32, num_docs=num_docs,
+                       dtype=jnp.bfloat16 if bf16 else jnp.float32)
+    kwargs = {k: arrays[k] for k in ("sinks", "segment_ids", "positions") if k in arrays}
+    f = jax.jit(lambda q, w, impl: csa_pallas.noncompressed_lse(q, w, window_size=window, implementation=impl,
+                                                                head_chunk=head_chunk, **kwargs), static_argnums=2)
+    got = np.asarray(f(arrays["q"], arrays["window_kv"], "pallas"))
+    want = np.asarray(f(arrays["q"].astype(jnp.float32), arrays["window_kv"].astype(jnp.float32), "xla"))
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-6)
+    no_sinks = {k: v for k, v in kwargs.items() if k != "sinks"}
+    got = csa_pallas.noncompressed_lse(arrays["q"], arrays["window_kv"], window_size=window, head_chunk=head_chunk,
+                                       implementation="pallas", **no_sinks)
+    want = csa_pallas.noncompressed_lse(arrays["q"].astype(jnp.float32), arrays["window_kv"].astype(jnp.float32),
+                                        window_size=window, head_chunk=head_chunk, implementation="xla", **no_sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-6)

@@ -169,7 +169,8 @@ def _kernel(q_ref, *refs, nq, num_kv_tiles, tiles, layout, block_k, group, windo
             total = total * jnp.exp2(m - top) + jnp.exp2(sink - top)
             m = top
         lse = m + jnp.log2(jnp.where(total > 0, total, 1.0))
-        out_ref[...] = jnp.where(total > 0, lse * LN2, -jnp.inf)
+        out = jnp.where(total > 0, lse * LN2, -jnp.inf)
+        out_ref[...] = out.reshape(bq, hc).T if layout.token_major else out.reshape(hc, bq)
 
 
 def _band(qi, bq, bk, window_size, num_kv_tiles, key_offset):
@@ -236,12 +237,12 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, sinks=None, *, cfg: WindowConf
         return common.index_div(p, nq), c, common.zigzag(common.index_rem(p, nq), nq), 0, 0
 
     # Statistics lane-dense over rows (keys moved to sublanes) when rows and keys tile into 128x128 blocks.
-    lane_dense = layout.rows % 128 == 0 and bk % 128 == 0
+    lane_dense = bq == 128 and bk % 128 == 0 and (hc % common.SUBLANES == 0 or hc == h)
     kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, tiles=tiles, layout=layout, block_k=bk,
                                group=group, window_size=window_size, scale=scale, key_offset=key_offset,
                                seq_len=seq_len, lane_dense=lane_dense, with_sinks=sinks is not None)
     stats = (layout.rows // 128, 128) if lane_dense else (*layout.view, min(common.LANES, bk))
-    out_block = stats if lane_dense else layout.view
+    out_block = (hc, bq) if lane_dense else layout.view
     in_specs = [pl.BlockSpec((None, bq, group, d), q_map)]
     in_specs += [pl.BlockSpec((None, bk, d), functools.partial(kv_map, i)) for i in range(tiles)]
     operands = [q] + [window_kv] * tiles
@@ -250,12 +251,12 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, sinks=None, *, cfg: WindowConf
         in_specs += [pl.BlockSpec((None, common.SUBLANES, bk), functools.partial(kmeta_map, i))
                      for i in range(tiles)]
         operands += [qmeta] + [wmeta] * tiles
-    if sinks is not None:  # per head chunk, in the output block's row order
+    if sinks is not None:  # per head chunk, in the statistics' row order
         sink_rows = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(nh, hc)[:, None, :], (nh, bq, hc))
         if not layout.token_major:
             sink_rows = jnp.swapaxes(sink_rows, 1, 2)
-        in_specs.append(pl.BlockSpec((None, *out_block), lambda p, c, k: (c, 0, 0)))
-        operands.append(sink_rows.reshape(nh, *out_block))
+        in_specs.append(pl.BlockSpec((None, *stats[:2]), lambda p, c, k: (c, 0, 0)))
+        operands.append(sink_rows.reshape(nh, *stats[:2]))
     scratch = [pltpu.VMEM(stats, jnp.float32), pltpu.VMEM(stats, jnp.float32)]
     if not layout.token_major:
         scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
@@ -263,8 +264,9 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, sinks=None, *, cfg: WindowConf
         kernel,
         grid=(b * nq, nh, common.cdiv(band, tiles)),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, None, *out_block), out_map),
-        out_shape=jax.ShapeDtypeStruct((b, nh, nq, *out_block), jnp.float32),
+        out_specs=pl.BlockSpec((None, *out_block), lambda p, c, k: out_map(p, c, k)[:3]) if lane_dense else
+        pl.BlockSpec((None, None, None, *out_block), out_map),
+        out_shape=jax.ShapeDtypeStruct((b, h, s_p) if lane_dense else (b, nh, nq, *out_block), jnp.float32),
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
@@ -273,4 +275,5 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, sinks=None, *, cfg: WindowConf
         interpret=interpret,
         name=f"csa_window_lse_bq{bq}_bk{bk}_hc{hc}_{'tok' if layout.token_major else 'head'}",
     )(*operands)
-    return out.reshape(b, nh, nq, *layout.view)  # row-major over the step's rows either way
+    # Lane-dense: [B, H, S_p], whose transpose XLA can fold into the result's layout.
+    return jnp.swapaxes(out, 1, 2) if lane_dense else layout.stats_from_hbm(out)
