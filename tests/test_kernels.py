@@ -253,13 +253,14 @@ def test_bf16_logits_gradient_is_the_rounded_f32_gradient():
 
 
 @pytest.mark.parametrize("window", [7, 128, 200])
-@pytest.mark.parametrize("heads,head_chunk,bf16", [(16, 16, True), (4, 4, False), (4, 2, False)])
+@pytest.mark.parametrize("seq,heads,head_chunk,bf16", [(300, 16, 16, True), (300, 4, 4, False), (300, 4, 2, False),
+                                                      (100, 16, 16, True)])
 @pytest.mark.parametrize("num_docs", [1, 2])
-def test_window_lse_layouts(window, heads, head_chunk, bf16, num_docs):
+def test_window_lse_layouts(window, seq, heads, head_chunk, bf16, num_docs):
     # Lane-dense statistics token-major (bf16, 16 heads) and head-major (f32, all heads), the per-lane fallback
-    # (2 of 4 heads); default ids (iota mask) and packed documents; W below, at and above the 128-key tile (one
-    # step for the band, or one tile per step); S not a multiple of the query tile.
-    arrays = make_case(9, seq=300, heads=heads, head_dim=32, num_docs=num_docs,
+    # (2 of 4 heads; a query tile under 128); default ids (iota mask) and packed documents; W below, at and above
+    # the 128-key tile (one step for the band, or one tile per step); S not a multiple of the query tile.
+    arrays = make_case(9, seq=seq, heads=heads, head_dim=32, num_docs=num_docs,
                        dtype=jnp.bfloat16 if bf16 else jnp.float32)
     kwargs = {k: arrays[k] for k in ("sinks", "segment_ids", "positions") if k in arrays}
     f = jax.jit(lambda q, w, impl: csa_pallas.noncompressed_lse(q, w, window_size=window, implementation=impl,

@@ -1,11 +1,12 @@
 """Window log-sum-exp (the window part of u, SPEC §3) as a Pallas TPU kernel.
 
-lse[t, h] = logsumexp_{j in Win(t)} tau q[t,h].window_kv[j]; the sink is folded in afterwards in XLA
-(u = logaddexp(lse, sinks[h]), a [B, S, H] elementwise op).
+u[t, h] = logaddexp(logsumexp_{j in Win(t)} tau q[t,h].window_kv[j], sinks[h]) (without sinks: the lse alone).
 
-Grid (B*nq "parallel", H/hc "arbitrary", band "arbitrary"): a query tile [q0, q0+bq) only looks at the key tiles
-overlapping [q0-W+1, q0+bq-1], a static band of at most ceil((bq+W-1)/bk)+1 tiles (2 for bq = bk = W = 128), so the cost is O(S*(W+bq)*H*D) and no
-[S, S_kv] anything exists. The exact window/segment rule is applied inside with iota-free metadata compares.
+Grid (B*nq "parallel", H/hc "arbitrary", band steps "arbitrary"): a query tile [q0, q0+bq) only looks at the key
+tiles overlapping [q0-W+1, q0+bq-1], a static band of at most ceil((bq+W-1)/bk)+1 tiles (2 for bq = bk = W = 128),
+so the cost is O(S*(W+bq)*H*D) and no [S, S_kv] anything exists; a band of up to MAX_TILES_PER_STEP tiles is one
+grid step. The exact window/segment rule is applied inside, from iota positions when the ids are the defaults, else
+from metadata compares. Scores are in base 2 (exp2 is the hardware exponential).
 
 Contract of the band (checked by the wrapper where it can be): key j of Win(t) lies in [t-W+1, t], i.e. the key
 sequence is the query sequence (S_kv == S) and positions strictly increase inside each document, as in MaxText
@@ -170,7 +171,9 @@ def _kernel(q_ref, *refs, nq, num_kv_tiles, tiles, layout, block_k, group, windo
             m = top
         lse = m + jnp.log2(jnp.where(total > 0, total, 1.0))
         out = jnp.where(total > 0, lse * LN2, -jnp.inf)
-        out_ref[...] = out.reshape(bq, hc).T if layout.token_major else out.reshape(hc, bq)
+        if lane_dense:  # rows -> the [hc, bq] block of [B, H, S_p]
+            out = out.reshape(bq, hc).T if layout.token_major else out.reshape(hc, bq)
+        out_ref[...] = out
 
 
 def _band(qi, bq, bk, window_size, num_kv_tiles, key_offset):
@@ -201,7 +204,7 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, sinks=None, *, cfg: WindowConf
         is the query sequence; W - 1: the keys carry a W - 1 row halo before the queries, context parallelism).
 
     Returns:
-      f32 [B, H/hc, S_p/bq, *layout.view] (the row layout's HBM stats form), -inf where the window is empty.
+      f32 [B, S_p, H], -inf where the window is empty (and there is no sink).
     """
     b, s_p, h, d = q.shape
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
@@ -236,7 +239,7 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, sinks=None, *, cfg: WindowConf
     def out_map(p, c, k):
         return common.index_div(p, nq), c, common.zigzag(common.index_rem(p, nq), nq), 0, 0
 
-    # Statistics lane-dense over rows (keys moved to sublanes) when rows and keys tile into 128x128 blocks.
+    # Lane-dense statistics: rows and keys tile into 128x128 blocks and the output block [hc, bq] is legal.
     lane_dense = bq == 128 and bk % 128 == 0 and (hc % common.SUBLANES == 0 or hc == h)
     kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, tiles=tiles, layout=layout, block_k=bk,
                                group=group, window_size=window_size, scale=scale, key_offset=key_offset,
