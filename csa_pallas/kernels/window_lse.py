@@ -31,6 +31,7 @@ MiB = 1 << 20
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MAX_TILES_PER_STEP = 2
+MAX_ROWS = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +67,18 @@ def band_tiles(cfg: WindowConfig, window_size: int, num_tiles: int, num_q_tiles:
 
 
 def vmem_bytes(cfg: WindowConfig, *, num_heads: int, head_dim: int, dtype) -> int:
+    """Upper estimate of the kernel's VMEM use (bq 128, hc 64, D 512, bf16: 44 MiB; Mosaic allocated 28 MiB)."""
     isz = jnp.dtype(dtype).itemsize
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     g = common.head_group(num_heads, hc, dtype)
+    layout = common.row_layout(num_heads, hc, bq, dtype)
     rows = hc * bq
     tiles = MAX_TILES_PER_STEP  # upper bound: the band is not known here
     blocks = 2 * (bq * common.round_up(g, 16) * head_dim * isz + tiles * bk * head_dim * isz + bq * common.LANES * 4
                   + tiles * common.SUBLANES * max(bk, 128) * 4 + 2 * common.round_up(hc, 8) * max(bq, 128) * 4)
-    scratch = rows * head_dim * isz + 2 * rows * 128 * 4
-    temporaries = 4 * tiles * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
+    scratch = (0 if layout.token_major else rows * head_dim * isz) + 2 * rows * 128 * 4
+    # f32 score-sized temporaries (scores, masked, transposed / exponentials) plus the column conversions.
+    temporaries = max(4, 2 * tiles + 1) * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
     return blocks + scratch + temporaries
 
 
@@ -83,10 +87,15 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, dtype, head_c
     small = common.round_up(max(seq_len, 1), 16)
     bq = 128 if small > 128 else small
     bk = 128 if small > 128 else small
-    if head_chunk is None:
-        head_chunk = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * bq <= 4096)
-    cfg = WindowConfig(bq, bk, head_chunk, 0)
-    need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, dtype=dtype)
+    # The most heads per step that fit: fewer grid steps, each with its fixed pipeline cost (MAX_ROWS rows: every
+    # head of the V4-Flash shape, 64 x 128 queries, at the MXU bound in the v5p estimate).
+    chunks = [head_chunk] if head_chunk is not None else [
+        d for d in range(num_heads, 0, -1) if num_heads % d == 0 and d * bq <= MAX_ROWS]
+    for head_chunk in chunks:
+        cfg = WindowConfig(bq, bk, head_chunk, 0)
+        need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, dtype=dtype)
+        if need <= vmem_budget:
+            break
     if need > vmem_budget and bq > 16:
         cfg = WindowConfig(bq // 2 if bq > 16 else bq, bk, head_chunk, 0)
         need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, dtype=dtype)
