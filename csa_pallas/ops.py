@@ -131,19 +131,21 @@ def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig
     # Teacher side: stop_gradient before the kernels, so differentiating wrt these inputs gives exact zeros.
     q = pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, s_p)
     kv = pad_axis(jax.lax.stop_gradient(problem.window_kv).astype(dtype), 1, kv_p)
-    qmeta = common.query_meta(problem.segment_ids, problem.positions, s_p)
-    wmeta = common.key_meta(problem.kv_segment_ids, problem.kv_positions, kv_p, 0)
-    if key_valid is None:
-        key_valid = jnp.ones((b, problem.kv_len), bool)
-    wmeta = wmeta.at[:, 2, :].set(pad_axis(key_valid.astype(jnp.int32), 1, kv_p))
-    lse = window_kernel.window_lse_pallas(q, kv, qmeta, wmeta, cfg=cfg, window_size=problem.window_size,
-                                          scale=problem.softmax_scale, key_offset=key_offset,
+    if problem.default_ids and key_offset == 0 and key_valid is None:
+        qmeta = wmeta = None  # the kernel masks from iota positions
+        seq_len = s
+    else:
+        qmeta = common.query_meta(problem.segment_ids, problem.positions, s_p)
+        wmeta = common.key_meta(problem.kv_segment_ids, problem.kv_positions, kv_p, 0)
+        if key_valid is None:
+            key_valid = jnp.ones((b, problem.kv_len), bool)
+        wmeta = wmeta.at[:, 2, :].set(pad_axis(key_valid.astype(jnp.int32), 1, kv_p))
+        seq_len = None
+    sinks = None if problem.sinks is None else jax.lax.stop_gradient(problem.sinks).astype(jnp.float32)
+    lse = window_kernel.window_lse_pallas(q, kv, qmeta, wmeta, sinks, cfg=cfg, window_size=problem.window_size,
+                                          scale=problem.softmax_scale, key_offset=key_offset, seq_len=seq_len,
                                           interpret=runtime.interpret_mode())
-    lse = common.row_layout(h, cfg.head_chunk, cfg.block_q, dtype).stats_from_hbm(lse)[:, :s]
-    if problem.sinks is not None:
-        sinks = jax.lax.stop_gradient(problem.sinks).astype(jnp.float32)
-        lse = jnp.logaddexp(lse, sinks[None, None, :])
-    return lse
+    return lse[:, :s]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -269,3 +269,27 @@ def test_paired_causal_query_tiles(seq, heads, ratio, block_q, block_k, target):
     schedule = ops.dense_layout(problem, cfg).schedule
     assert schedule.causal and teacher_kernel._pairs_fit(schedule)
     assert_matches(run_case(arrays, target=target, ratio=ratio, head_chunk=heads, cfg=cfg))
+
+
+@pytest.mark.parametrize("window", [7, 128, 200])
+@pytest.mark.parametrize("seq,heads,head_chunk,bf16", [(300, 16, 16, True), (300, 4, 4, False), (300, 4, 2, False),
+                                                      (100, 16, 16, True)])
+@pytest.mark.parametrize("num_docs", [1, 2])
+def test_window_lse_layouts(window, seq, heads, head_chunk, bf16, num_docs):
+    # Lane-dense statistics token-major (bf16, 16 heads) and head-major (f32, all heads), the per-lane fallback
+    # (2 of 4 heads; a query tile under 128); default ids (iota mask) and packed documents; W below, at and above
+    # the 128-key tile (one step for the band, or one tile per step); S not a multiple of the query tile.
+    arrays = make_case(9, seq=seq, heads=heads, head_dim=32, num_docs=num_docs,
+                       dtype=jnp.bfloat16 if bf16 else jnp.float32)
+    kwargs = {k: arrays[k] for k in ("sinks", "segment_ids", "positions") if k in arrays}
+    f = jax.jit(lambda q, w, impl: csa_pallas.noncompressed_lse(q, w, window_size=window, implementation=impl,
+                                                                head_chunk=head_chunk, **kwargs), static_argnums=2)
+    got = np.asarray(f(arrays["q"], arrays["window_kv"], "pallas"))
+    want = np.asarray(f(arrays["q"].astype(jnp.float32), arrays["window_kv"].astype(jnp.float32), "xla"))
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-6)
+    no_sinks = {k: v for k, v in kwargs.items() if k != "sinks"}
+    got = csa_pallas.noncompressed_lse(arrays["q"], arrays["window_kv"], window_size=window, head_chunk=head_chunk,
+                                       implementation="pallas", **no_sinks)
+    want = csa_pallas.noncompressed_lse(arrays["q"].astype(jnp.float32), arrays["window_kv"].astype(jnp.float32),
+                                        window_size=window, head_chunk=head_chunk, implementation="xla", **no_sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-6)

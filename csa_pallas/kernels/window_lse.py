@@ -1,11 +1,12 @@
 """Window log-sum-exp (the window part of u, SPEC §3) as a Pallas TPU kernel.
 
-lse[t, h] = logsumexp_{j in Win(t)} tau q[t,h].window_kv[j]; the sink is folded in afterwards in XLA
-(u = logaddexp(lse, sinks[h]), a [B, S, H] elementwise op).
+u[t, h] = logaddexp(logsumexp_{j in Win(t)} tau q[t,h].window_kv[j], sinks[h]) (without sinks: the lse alone).
 
-Grid (B*nq "parallel", H/hc "arbitrary", band "arbitrary"): a query tile [q0, q0+bq) only looks at the key tiles
-overlapping [q0-W+1, q0+bq-1], a static band of at most ceil((bq+W-1)/bk)+1 tiles (2 for bq = bk = W = 128), so the cost is O(S*(W+bq)*H*D) and no
-[S, S_kv] anything exists. The exact window/segment rule is applied inside with iota-free metadata compares.
+Grid (B*nq "parallel", H/hc "arbitrary", band steps "arbitrary"): a query tile [q0, q0+bq) only looks at the key
+tiles overlapping [q0-W+1, q0+bq-1], a static band of at most ceil((bq+W-1)/bk)+1 tiles (2 for bq = bk = W = 128),
+so the cost is O(S*(W+bq)*H*D) and no [S, S_kv] anything exists; a band of up to MAX_TILES_PER_STEP tiles is one
+grid step. The exact window/segment rule is applied inside, from iota positions when the ids are the defaults, else
+from metadata compares. Scores are in base 2 (exp2 is the hardware exponential).
 
 Contract of the band (checked by the wrapper where it can be): key j of Win(t) lies in [t-W+1, t], i.e. the key
 sequence is the query sequence (S_kv == S) and positions strictly increase inside each document, as in MaxText
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,10 @@ from jax.experimental.pallas import tpu as pltpu
 from csa_pallas.kernels import common
 
 MiB = 1 << 20
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+MAX_TILES_PER_STEP = 2
+MAX_ROWS = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +67,18 @@ def band_tiles(cfg: WindowConfig, window_size: int, num_tiles: int, num_q_tiles:
 
 
 def vmem_bytes(cfg: WindowConfig, *, num_heads: int, head_dim: int, dtype) -> int:
+    """Upper estimate of the kernel's VMEM use (bq 128, hc 64, D 512, bf16: 44 MiB; Mosaic allocated 28 MiB)."""
     isz = jnp.dtype(dtype).itemsize
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     g = common.head_group(num_heads, hc, dtype)
+    layout = common.row_layout(num_heads, hc, bq, dtype)
     rows = hc * bq
-    blocks = 2 * (bq * common.round_up(g, 16) * head_dim * isz + bk * head_dim * isz + bq * common.LANES * 4
-                  + common.SUBLANES * max(bk, 128) * 4 + common.round_up(hc, 8) * max(bq, 128) * 4)
-    scratch = rows * head_dim * isz + 2 * rows * 128 * 4
-    temporaries = 4 * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
+    tiles = MAX_TILES_PER_STEP  # upper bound: the band is not known here
+    blocks = 2 * (bq * common.round_up(g, 16) * head_dim * isz + tiles * bk * head_dim * isz + bq * common.LANES * 4
+                  + tiles * common.SUBLANES * max(bk, 128) * 4 + 2 * common.round_up(hc, 8) * max(bq, 128) * 4)
+    scratch = (0 if layout.token_major else rows * head_dim * isz) + 2 * rows * 128 * 4
+    # f32 score-sized temporaries (scores, masked, transposed / exponentials) plus the column conversions.
+    temporaries = max(4, 2 * tiles + 1) * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
     return blocks + scratch + temporaries
 
 
@@ -77,19 +87,30 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, dtype, head_c
     small = common.round_up(max(seq_len, 1), 16)
     bq = 128 if small > 128 else small
     bk = 128 if small > 128 else small
-    if head_chunk is None:
-        head_chunk = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * bq <= 4096)
-    cfg = WindowConfig(bq, bk, head_chunk, 0)
-    need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, dtype=dtype)
+    # The most heads per step that fit: fewer grid steps, each with its fixed pipeline cost (MAX_ROWS rows: every
+    # head of the V4-Flash shape, 64 x 128 queries, at the MXU bound in the v5p estimate).
+    chunks = [head_chunk] if head_chunk is not None else [
+        d for d in range(num_heads, 0, -1) if num_heads % d == 0 and d * bq <= MAX_ROWS]
+    for head_chunk in chunks:
+        cfg = WindowConfig(bq, bk, head_chunk, 0)
+        need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, dtype=dtype)
+        if need <= vmem_budget:
+            break
     if need > vmem_budget and bq > 16:
         cfg = WindowConfig(bq // 2 if bq > 16 else bq, bk, head_chunk, 0)
         need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, dtype=dtype)
     return dataclasses.replace(cfg, vmem_limit_bytes=min(max(int(need * 1.25) + 4 * MiB, 32 * MiB), 64 * MiB))
 
 
-def _kernel(q_ref, kv_ref, qmeta_ref, kmeta_ref, out_ref, m_ref, l_ref, *rows, nq, num_kv_tiles, layout, block_k,
-            group, window_size, scale, key_offset):
+def _kernel(q_ref, *refs, nq, num_kv_tiles, tiles, layout, block_k, group, window_size, scale, key_offset, seq_len,
+            lane_dense, with_sinks):
     bq, bk, hc = layout.block_q, block_k, layout.head_chunk
+    iota_mask = seq_len is not None
+    kv_refs, refs = refs[:tiles], refs[tiles:]
+    if not iota_mask:
+        qmeta_ref, kmeta_refs, refs = refs[0], refs[1:tiles + 1], refs[tiles + 1:]
+    sink_ref, *refs = refs if with_sinks else (None, *refs)
+    out_ref, m_ref, l_ref, *rows = refs
     rows_ref = rows[0] if rows else None
     p = pl.program_id(0)
     c = pl.program_id(1)
@@ -97,71 +118,128 @@ def _kernel(q_ref, kv_ref, qmeta_ref, kmeta_ref, out_ref, m_ref, l_ref, *rows, n
     qi = common.zigzag(common.index_rem(p, nq), nq)
     first, last = _band(qi, bq, bk, window_size, num_kv_tiles, key_offset)
 
-    @pl.when(k == 0)
-    def _():
-        if not layout.token_major:
+    if not layout.token_major:
+        @pl.when(k == 0)
+        def _():
             common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
-        m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
 
-    @pl.when(first + k <= last)
-    def _():
+    def scores(i):
+        """Masked scores of the step's i-th tile in base 2 (scale * log2(e) in one multiply), f32 [rows, bk]."""
+        tile = first + k * tiles + i  # unclamped: a tile past `last` repeats `last` and must be masked out whole
         rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
-        z = lax.dot_general(rows, kv_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        delta = qmeta_ref[:, 1:2] - kmeta_ref[1:2, :]
-        inside = ((kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (delta >= 0) & (delta < window_size)
-                  & (kmeta_ref[2:3, :] != 0))
+        z = lax.dot_general(rows, kv_refs[i][...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        z = z * (scale * LOG2E)
+        if iota_mask:
+            # Default ids: query t sees keys (t - W, t] that exist; positions are iotas against static offsets.
+            delta = (qi * bq - tile * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+                     - lax.broadcasted_iota(jnp.int32, (bq, bk), 1))
+            key = tile * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            inside = (delta >= 0) & (delta < window_size) & (key < seq_len)
+        else:
+            kmeta_ref = kmeta_refs[i]
+            delta = qmeta_ref[:, 1:2] - kmeta_ref[1:2, :]
+            inside = ((kmeta_ref[0:1, :] == qmeta_ref[:, 0:1]) & (delta >= 0) & (delta < window_size)
+                      & (kmeta_ref[2:3, :] != 0) & (tile <= last))
         z = jnp.where(layout.expand_mask(inside), z.reshape(*layout.view, bk), -jnp.inf)
-        common.online_lse_update(m_ref, l_ref, z, min(common.LANES, bk))
+        return z.reshape(layout.rows, bk)
+
+    def update(first_step):
+        if lane_dense:
+            # Keys go to sublanes (XLU transposes of 128x128 blocks): the reductions over keys become elementwise
+            # across vregs, and the statistics of 128 rows fill one lane-dense vreg row.
+            zt = [jnp.swapaxes(scores(i).reshape(layout.rows // 128, 128, bk), 1, 2) for i in range(tiles)]
+            m_new = m_ref[...] if not first_step else common.STAT_FLOOR
+            for z in zt:
+                m_new = jnp.maximum(m_new, jnp.max(z, axis=1))
+            total = None if first_step else l_ref[...] * jnp.exp2(m_ref[...] - m_new)
+            for z in zt:
+                part = jnp.sum(jnp.exp2(z - m_new[:, None, :]), axis=1)
+                total = part if total is None else total + part
+            m_ref[...] = m_new
+            l_ref[...] = total
+        else:
+            for i in range(tiles):
+                common.online_lse_update(m_ref, l_ref, scores(i).reshape(*layout.view, bk), min(common.LANES, bk),
+                                         first=first_step and i == 0, base2=True)
+
+    # The first step writes the statistics; it is always active (the band's first tile holds key t - W + 1 or 0).
+    pl.when(k == 0)(functools.partial(update, True))
+    pl.when((k > 0) & (first + k * tiles <= last))(functools.partial(update, False))
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _():
-        out_ref[...] = layout.column_to_block(common.finish_lse(m_ref[...], l_ref[...]))
+        m, total = m_ref[...], l_ref[...]
+        if not lane_dense:  # per-lane statistics [*view, lanes] -> columns -> the stats block
+            row_max = jnp.max(m, axis=-1, keepdims=True)
+            total = layout.column_to_block(jnp.sum(total * jnp.exp2(m - row_max), axis=-1, keepdims=True))
+            m = layout.column_to_block(row_max)
+        if with_sinks:  # the sink is one more term of the sum (u = logaddexp(lse, sink)), here in base 2
+            sink = sink_ref[...] * LOG2E
+            top = jnp.maximum(m, sink)
+            total = total * jnp.exp2(m - top) + jnp.exp2(sink - top)
+            m = top
+        lse = m + jnp.log2(jnp.where(total > 0, total, 1.0))
+        out = jnp.where(total > 0, lse * LN2, -jnp.inf)
+        if lane_dense:  # rows -> the [hc, bq] block of [B, H, S_p]
+            out = out.reshape(bq, hc).T if layout.token_major else out.reshape(hc, bq)
+        out_ref[...] = out
 
 
 def _band(qi, bq, bk, window_size, num_kv_tiles, key_offset):
-    first = lax.div(jnp.maximum(qi * bq + key_offset - (window_size - 1), 0), bk)
-    last = jnp.minimum(lax.div(qi * bq + bq - 1 + key_offset, bk), num_kv_tiles - 1)
+    first = common.index_div(jnp.maximum(qi * bq + key_offset - (window_size - 1), 0), bk)
+    last = jnp.minimum(common.index_div(qi * bq + bq - 1 + key_offset, bk), num_kv_tiles - 1)
     return first, last
 
 
-def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_size: int, scale: float,
-                      key_offset: int = 0, interpret=False):
-    """Window log-sum-exp per (query, head).
+def tiles_per_step(band: int) -> int:
+    """Key tiles one grid step computes: the whole band when it is short (fewer grid steps, each with its fixed
+    pipeline cost), else one (the step's scores stay small in VMEM)."""
+    return band if band <= MAX_TILES_PER_STEP else 1
+
+
+def window_lse_pallas(q, window_kv, qmeta, wmeta, sinks=None, *, cfg: WindowConfig, window_size: int, scale: float,
+                      key_offset: int = 0, seq_len=None, interpret=False):
+    """Window log-sum-exp per (query, head), with the sinks folded in when given.
 
     Args:
       q: [B, S_p, H, D]; window_kv: [B, S_kv_p, D] (same dtype); S_p = `padded_len(S, cfg)`, S_kv_p a multiple
         of cfg.block_k.
       qmeta: int32 [B, S_p, 128] (lane 0 segment, lane 1 position).
       wmeta: int32 [B, 8, S_kv_p] (row 0 segment, row 1 position, row 2 = 1 for real keys, 0 for padding).
+      sinks: optional f32 [H]; the result is then logaddexp(lse, sinks[h]).
+      seq_len: default ids (one document, positions 0..S-1, S_kv == S, key_offset 0): the real length S; the
+        mask then comes from iota positions and qmeta/wmeta are not read (pass None for them).
       key_offset: query t's window lies in key rows [t + key_offset - W + 1, t + key_offset] (0: the key sequence
         is the query sequence; W - 1: the keys carry a W - 1 row halo before the queries, context parallelism).
 
     Returns:
-      f32 [B, H/hc, S_p/bq, *layout.view] (the row layout's HBM stats form), -inf where the window is empty.
+      f32 [B, S_p, H], -inf where the window is empty (and there is no sink).
     """
     b, s_p, h, d = q.shape
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     nq, nkt, nh = s_p // bq, window_kv.shape[1] // bk, h // hc
     band = band_tiles(cfg, window_size, nkt, nq, key_offset)
+    tiles = tiles_per_step(band)
     group = common.head_group(h, hc, q.dtype)
     layout = common.row_layout(h, hc, bq, q.dtype)
+    if seq_len is not None and key_offset:
+        raise ValueError("seq_len (default ids) requires key_offset 0")
 
-    def kv_tile(p, k):
+    def kv_tile(p, k, i):
         qi = common.zigzag(common.index_rem(p, nq), nq)
         first, last = _band(qi, bq, bk, window_size, nkt, key_offset)
-        return common.index_div(p, nq), jnp.minimum(first + k, last)
+        return common.index_div(p, nq), jnp.minimum(first + k * tiles + i, last)
 
     def q_map(p, c, k):
         qi = common.zigzag(common.index_rem(p, nq), nq)
         return common.index_div(p, nq), qi, common.index_div(c * hc, group), 0
 
-    def kv_map(p, c, k):
-        bb, tile = kv_tile(p, k)
+    def kv_map(i, p, c, k):
+        bb, tile = kv_tile(p, k, i)
         return bb, tile, 0
 
-    def kmeta_map(p, c, k):
-        bb, tile = kv_tile(p, k)
+    def kmeta_map(i, p, c, k):
+        bb, tile = kv_tile(p, k, i)
         return bb, 0, tile
 
     def qmeta_map(p, c, k):
@@ -170,23 +248,37 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
     def out_map(p, c, k):
         return common.index_div(p, nq), c, common.zigzag(common.index_rem(p, nq), nq), 0, 0
 
-    kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, layout=layout, block_k=bk, group=group,
-                               window_size=window_size, scale=scale, key_offset=key_offset)
-    lanes = min(common.LANES, bk)
-    scratch = [pltpu.VMEM((*layout.view, lanes), jnp.float32), pltpu.VMEM((*layout.view, lanes), jnp.float32)]
+    # Lane-dense statistics: rows and keys tile into 128x128 blocks and the output block [hc, bq] is legal.
+    lane_dense = bq == 128 and bk % 128 == 0 and (hc % common.SUBLANES == 0 or hc == h)
+    kernel = functools.partial(_kernel, nq=nq, num_kv_tiles=nkt, tiles=tiles, layout=layout, block_k=bk,
+                               group=group, window_size=window_size, scale=scale, key_offset=key_offset,
+                               seq_len=seq_len, lane_dense=lane_dense, with_sinks=sinks is not None)
+    stats = (layout.rows // 128, 128) if lane_dense else (*layout.view, min(common.LANES, bk))
+    out_block = (hc, bq) if lane_dense else layout.view
+    in_specs = [pl.BlockSpec((None, bq, group, d), q_map)]
+    in_specs += [pl.BlockSpec((None, bk, d), functools.partial(kv_map, i)) for i in range(tiles)]
+    operands = [q] + [window_kv] * tiles
+    if seq_len is None:
+        in_specs.append(pl.BlockSpec((None, bq, common.LANES), qmeta_map))
+        in_specs += [pl.BlockSpec((None, common.SUBLANES, bk), functools.partial(kmeta_map, i))
+                     for i in range(tiles)]
+        operands += [qmeta] + [wmeta] * tiles
+    if sinks is not None:  # per head chunk, in the statistics' row order
+        sink_rows = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(nh, hc)[:, None, :], (nh, bq, hc))
+        if not layout.token_major:
+            sink_rows = jnp.swapaxes(sink_rows, 1, 2)
+        in_specs.append(pl.BlockSpec((None, *stats[:2]), lambda p, c, k: (c, 0, 0)))
+        operands.append(sink_rows.reshape(nh, *stats[:2]))
+    scratch = [pltpu.VMEM(stats, jnp.float32), pltpu.VMEM(stats, jnp.float32)]
     if not layout.token_major:
         scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
-        grid=(b * nq, nh, band),
-        in_specs=[
-            pl.BlockSpec((None, bq, group, d), q_map),
-            pl.BlockSpec((None, bk, d), kv_map),
-            pl.BlockSpec((None, bq, common.LANES), qmeta_map),
-            pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map),
-        ],
-        out_specs=pl.BlockSpec((None, None, None, *layout.view), out_map),
-        out_shape=jax.ShapeDtypeStruct((b, nh, nq, *layout.view), jnp.float32),
+        grid=(b * nq, nh, common.cdiv(band, tiles)),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, *out_block), lambda p, c, k: out_map(p, c, k)[:3]) if lane_dense else
+        pl.BlockSpec((None, None, None, *out_block), out_map),
+        out_shape=jax.ShapeDtypeStruct((b, h, s_p) if lane_dense else (b, nh, nq, *out_block), jnp.float32),
         scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
@@ -194,4 +286,6 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, *, cfg: WindowConfig, window_s
                                       bytes_accessed=q.size * q.dtype.itemsize),
         interpret=interpret,
         name=f"csa_window_lse_bq{bq}_bk{bk}_hc{hc}_{'tok' if layout.token_major else 'head'}",
-    )(q, window_kv, qmeta, wmeta)
+    )(*operands)
+    # Lane-dense: [B, H, S_p], whose transpose XLA can fold into the result's layout.
+    return jnp.swapaxes(out, 1, 2) if lane_dense else layout.stats_from_hbm(out)
