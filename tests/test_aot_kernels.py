@@ -41,6 +41,11 @@ def test_flash_shape_forward_backward_compiles_within_memory_bound(seq, target):
     one_target = seq * (seq // 4) * 4
     bound = 1.25 * one_target + 64 * MiB
     assert 0 < report.temp_bytes <= bound, (report, bound)
+    if seq == 4096:
+        # The KL is fused into the teacher and the forward saves only G, which XLA updates in place into the
+        # gradient: no [B, S, N] f32 temporary (16 MiB) may appear. The XLA baseline's best head chunk needs 129 MiB
+        # here (benchmarks/dense_memory.py); this bound is 1/16 of that.
+        assert report.temp_bytes <= one_target // 2, report
 
 
 @pytest.mark.parametrize("head_chunk", [8, 16])
@@ -55,13 +60,3 @@ def test_small_model_f32_compiles():
     program = loss_and_grad_program("joint", heads=8, head_dim=128, window=32)
     aot.compile_for_tpu(program, *input_structs(1024, heads=8, head_dim=128, dtype=jnp.float32))
 
-
-@pytest.mark.parametrize("target", ["per_head", "joint"])
-def test_flash_shape_loss_keeps_no_target_sized_array_in_hbm(target):
-    # The KL is fused into the teacher and the forward saves only G, which XLA updates in place into the
-    # gradient: at 4K no [B, S, N] f32 temporary (16 MiB) may appear. The XLA baseline's best head chunk needs
-    # 129 MiB here (benchmarks/dense_memory.py); this bound is 1/16 of that.
-    require_libtpu()
-    report = aot.compile_memory(loss_and_grad_program(target), *input_structs(4096))
-    one_target = 4096 * 1024 * 4
-    assert 0 < report.temp_bytes <= one_target // 2, report
