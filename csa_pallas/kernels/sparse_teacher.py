@@ -385,14 +385,9 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
     out_specs = pl.BlockSpec((None, bq, k_p), maps["row"])
     out_shape = jax.ShapeDtypeStruct((b, s_p, k_p), jnp.float32)
     if kl is not None:
-        in_specs.append(pl.BlockSpec((None, bq, k_p), maps["row"]))
+        logits_spec, out_specs, out_shape = dense_teacher.fused_kl_blocks(kl, logits, maps["row"], block_q=bq)
+        in_specs.append(logits_spec)
         operands.append(logits)
-        out_specs = [pl.BlockSpec((None, None, dense_teacher.KL_STAT_ROWS, bq),
-                                  lambda *ids: (*maps["row"](*ids)[:2], 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, nq, dense_teacher.KL_STAT_ROWS, bq), jnp.float32)]
-        if kl.emit_gradient:
-            out_specs.append(pl.BlockSpec((None, bq, k_p), maps["row"]))
-            out_shape.append(jax.ShapeDtypeStruct((b, s_p, k_p), logits.dtype))
     scratch = [
         pltpu.VMEM((*layout.view, LANES), jnp.float32),
         pltpu.VMEM((*layout.view, LANES), jnp.float32),

@@ -487,6 +487,20 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             out_ref[...] = acc / jnp.maximum(total, common.F32_TINY)
 
 
+def fused_kl_blocks(kl: FusedKL, logits, row_map, *, block_q: int):
+    """BlockSpecs of a teacher kernel (dense or sparse) with the fused KL: (logits in-spec, out_specs, out_shape)
+    for the logits [B, S_p, W_p], the KL statistics [B, nq, 8, bq] and, with kl.emit_gradient, G [B, S_p, W_p].
+    row_map: the kernel's per-query-tile index map (returns (b, qi, 0))."""
+    b, s_p, width = logits.shape
+    row_block = pl.BlockSpec((None, block_q, width), row_map)
+    out_specs = [pl.BlockSpec((None, None, KL_STAT_ROWS, block_q), lambda *ids: (*row_map(*ids)[:2], 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, s_p // block_q, KL_STAT_ROWS, block_q), jnp.float32)]
+    if kl.emit_gradient:
+        out_specs.append(row_block)
+        out_shape.append(jax.ShapeDtypeStruct((b, s_p, width), logits.dtype))
+    return row_block, out_specs, out_shape
+
+
 def _dense_visibility(kl: FusedKL, qmeta_ref, krow_ref, *, qi, schedule: common.TileSchedule):
     """(visible_at(start, width) -> bool [bq, width], non-empty rows [bq, 1] or None) for the dense support V(t)."""
     bq = schedule.block_q
@@ -648,13 +662,9 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         batch_of = lambda p, c, step, firsts_ref, counts_ref: common.index_div(p, nq)
         krow = (pl.BlockSpec(memory_space=pl.ANY) if schedule.causal
                 else pl.BlockSpec((None, common.SUBLANES, n_p), lambda *ids: (batch_of(*ids), 0, 0)))
-        in_specs += [pl.BlockSpec((None, bq, n_p), maps["row"]), krow]
+        logits_spec, out_specs, out_shape = fused_kl_blocks(kl, logits, maps["row"], block_q=bq)
+        in_specs += [logits_spec, krow]
         operands += [logits, kmeta]
-        out_specs = [pl.BlockSpec((None, None, KL_STAT_ROWS, bq), lambda *ids: (*maps["row"](*ids)[:2], 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, nq, KL_STAT_ROWS, bq), jnp.float32)]
-        if kl.emit_gradient:
-            out_specs.append(pl.BlockSpec((None, bq, n_p), maps["row"]))
-            out_shape.append(jax.ShapeDtypeStruct((b, s_p, n_p), logits.dtype))
     lanes = min(common.LANES, bk)
     scratch = [
         pltpu.VMEM((*layout.view, lanes), jnp.float32),
