@@ -159,6 +159,10 @@ class FusedKL:
     chunk: int = 2048
 
 
+# Causal schedules with at most this many kv tiles run the cached pass 2 as straight-line code, one variant per
+# tile count and last width (code grows with the square of the tile count; longer walks use a loop).
+STRAIGHT_PASS2_MAX_TILES = 4
+
 KL_STAT_ROWS = 8  # row 0 KL, row 1 lse, row 2 sum P, row 3 non-empty; the layout of `kl.kl_forward_pallas`
 
 
@@ -371,8 +375,9 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             f = f_ref[...][..., :lanes]
             for j, z_lanes in enumerate(common.lane_chunks(z, lanes)):
                 probs = jnp.sum(jnp.exp2(z_lanes - f), axis=layout.head_axis)  # [bq, lanes]
-                if bk == out_ref.shape[-1]:
-                    out_ref[:, j * lanes:(j + 1) * lanes] += probs
+                if isinstance(tile_k, int) or bk == out_ref.shape[-1]:
+                    start = (tile_k if isinstance(tile_k, int) else 0) * bk + j * lanes
+                    out_ref[:, start:start + lanes] += probs
                 else:
                     start = pl.multiple_of(tile_k * bk + j * lanes, 128)
                     out_ref[:, pl.ds(start, lanes)] += probs
@@ -380,6 +385,21 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         count = schedule.count(counts_ref, at.b, out_qi)
         first_tile = schedule.first(firsts_ref, at.b, out_qi)
         last_tile = first_tile + count - 1
+        widths = [bk] if chunk == bk else list(range(chunk, bk + 1, chunk))
+        width = bk if chunk == bk else schedule.visible_width(out_qi, last_tile, chunk)
+
+        if schedule.causal and schedule.nk <= STRAIGHT_PASS2_MAX_TILES:
+            # One straight-line block per (tile count, last tile's width): the scheduler overlaps one tile's
+            # exponentials with the next tile's loads, which a loop iteration boundary prevents (~10% of pass 2).
+            def straight(n, w):
+                for i in range(n):
+                    accumulate(i, cache_ref[i] if i < n - 1 or w == bk else cache_ref[i, ..., :w])
+
+            for n in range(1, schedule.nk + 1):
+                for w in widths:
+                    pl.when((count == n) if chunk == bk else (count == n) & (width == w))(
+                        functools.partial(straight, n, w))
+            return
 
         def last_width(w):
             accumulate(last_tile, cache_ref[count - 1] if w == bk else cache_ref[count - 1, ..., :w])
@@ -387,8 +407,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         if chunk == bk:
             last_width(bk)
         else:
-            width = schedule.visible_width(out_qi, last_tile, chunk)
-            for w in range(chunk, bk + 1, chunk):
+            for w in widths:
                 pl.when(width == w)(functools.partial(last_width, w))
 
         def body(i, carry):
