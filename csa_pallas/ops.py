@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from csa_pallas import masks
 from csa_pallas import reference
 from csa_pallas.kernels import common
+from csa_pallas.kernels import fused_kl
 from csa_pallas.kernels import kl as kl_kernels
 from csa_pallas.kernels import runtime
 from csa_pallas.kernels import teacher as teacher_kernel
@@ -251,7 +252,7 @@ def kl_rows(indexer_logits, target_padded, layout: DenseLayout):
 @dataclasses.dataclass(frozen=True)
 class FusedStatic:
     """Static arguments of the fused teacher + KL custom_vjp. run(static, kl, logits, operands) launches the
-    teacher kernel (dense or sparse) with `kl` (a `teacher.FusedKL`) and returns its outputs."""
+    teacher kernel (dense or sparse) with `kl` (a `fused_kl.FusedKL`) and returns its outputs."""
 
     run: Callable
     mode: str
@@ -260,10 +261,10 @@ class FusedStatic:
     scale: float
     seq_len: int
     interpret: object
-    kl_chunk: int = teacher_kernel.FusedKL.chunk
+    kl_chunk: int = fused_kl.FusedKL.chunk
 
     def launch(self, emit_gradient: bool, logits, operands):
-        kl = teacher_kernel.FusedKL(emit_gradient=emit_gradient, seq_len=self.seq_len, chunk=self.kl_chunk)
+        kl = fused_kl.FusedKL(emit_gradient=emit_gradient, seq_len=self.seq_len, chunk=self.kl_chunk)
         return self.run(self, kl, logits, operands)
 
 
@@ -309,9 +310,9 @@ def _run_dense(static: FusedStatic, kl, logits, operands):
 
 
 def fused_kl_rows(indexer_logits, inputs: TeacherInputs, layout: DenseLayout, problem: Problem,
-                  kl_chunk: int = teacher_kernel.FusedKL.chunk):
+                  kl_chunk: int = fused_kl.FusedKL.chunk):
     """Dense mode: per-row KL [B, S] and non-empty mask [B, S] from the teacher kernel with the fused KL (P stays
-    in VMEM). kl_chunk: lanes per epilogue step (see `FusedKL`)."""
+    in VMEM). kl_chunk: lanes per epilogue step (see `fused_kl.FusedKL`)."""
     static = FusedStatic(_run_dense, inputs.mode, layout.cfg, layout.schedule, problem.softmax_scale,
                          problem.seq_len, runtime.interpret_mode(), kl_chunk)
     operands = (inputs.q, inputs.kv, inputs.lse_in, layout.qmeta, layout.kmeta, layout.firsts, layout.counts)

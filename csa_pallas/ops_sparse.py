@@ -25,6 +25,7 @@ from csa_pallas import masks
 from csa_pallas import ops
 from csa_pallas import reference
 from csa_pallas.kernels import common
+from csa_pallas.kernels import fused_kl
 from csa_pallas.kernels import runtime
 from csa_pallas.kernels import sparse_teacher
 from csa_pallas.kernels import teacher as teacher_kernel
@@ -152,7 +153,7 @@ def _run_sparse(static: ops.FusedStatic, kl, logits, operands):
 
 
 def fused_kl_rows(indexer_logits, problem: Problem, layout: SparseLayout,
-                  kl_chunk: int = teacher_kernel.FusedKL.chunk):
+                  kl_chunk: int = fused_kl.FusedKL.chunk):
     """Per-row KL over the K slots [B, S] and the non-empty mask [B, S] from the sparse teacher kernel with the
     fused KL (P stays in VMEM; V(t) = the row's valid slots)."""
     mode, q, kv, idx, lse_in = teacher_inputs(problem, layout)

@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from csa_pallas.kernels import common
+from csa_pallas.kernels import fused_kl
 from csa_pallas.kernels import teacher as dense_teacher
 
 MODES = dense_teacher.MODES
@@ -85,7 +86,7 @@ def sparse_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: in
         extra += cache if cache <= MAX_WEIGHT_CACHE_BYTES else 0
         if kl_logits_dtype is not None:
             lsz = jnp.dtype(kl_logits_dtype).itemsize
-            extra += 4 * cfg.block_q * k_p * lsz + 8 * cfg.block_q * dense_teacher.kl_chunk(k_p, 2048) * 4
+            extra += 4 * cfg.block_q * k_p * lsz + 8 * cfg.block_q * fused_kl.kl_chunk(k_p, fused_kl.FusedKL.chunk) * 4
         if cfg.cache_scores:
             # The dense calculator is an upper estimate (the Flash shape: 59 MiB + 1.7 MiB extra compiles under
             # 64 MiB), so compare against the physical VMEM rather than its usable fraction.
@@ -188,7 +189,7 @@ def normalize_slots(head_sum: jax.Array) -> jax.Array:
 
 def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref, *refs, mode, schedule, nh, layout,
             group, scale, width_p, cache_weights, cache_scores, fold, normalize,
-            kl: Optional[dense_teacher.FusedKL] = None):
+            kl: Optional[fused_kl.FusedKL] = None):
     refs = list(refs)
     lse_ref = None if mode == "per_head" else refs.pop(0)
     if kl is None:
@@ -311,7 +312,7 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
     if kl is not None:
         @pl.when((c == nh - 1) & (step == at.last_step))
         def _():
-            dense_teacher.kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, mask_target=True,
+            fused_kl.kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, mask_target=True,
                                       visible_at=lambda start, width: valid_ref[:, pl.ds(start, width)] > 0)
         return
 
@@ -326,7 +327,7 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
 
 def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mode: str,
                           cfg: dense_teacher.TeacherConfig, scale: float, schedule: common.TileSchedule,
-                          normalize: bool = True, kl: Optional[dense_teacher.FusedKL] = None, logits=None,
+                          normalize: bool = True, kl: Optional[fused_kl.FusedKL] = None, logits=None,
                           interpret=False):
     """Runs the sparse teacher kernel on padded, prepared inputs.
 
@@ -342,7 +343,7 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
         `normalize_slots`).
 
       kl, logits: the fused KL over the slots (the loss path), logits [B, S_p, K_p] (any float dtype); see
-        `teacher.FusedKL` (V(t) = the row's valid slots).
+        `fused_kl.FusedKL` (V(t) = the row's valid slots).
 
     Returns:
       f32 [B, S_p, K_p]: P in slot order on valid slots (rows sum to 1), EMPTY_SLOT (-1) on empty slots. With
@@ -385,7 +386,7 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
     out_specs = pl.BlockSpec((None, bq, k_p), maps["row"])
     out_shape = jax.ShapeDtypeStruct((b, s_p, k_p), jnp.float32)
     if kl is not None:
-        logits_spec, out_specs, out_shape = dense_teacher.fused_kl_blocks(kl, logits, maps["row"], block_q=bq)
+        logits_spec, out_specs, out_shape = fused_kl.fused_kl_blocks(kl, logits, maps["row"], block_q=bq)
         in_specs.append(logits_spec)
         operands.append(logits)
     scratch = [

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import common
+from csa_pallas.kernels import common, fused_kl
 
 MODES = ("per_head", "joint", "full_lse")
 MiB = 1 << 20
@@ -91,7 +91,7 @@ def padded_blocks(num_blocks: int, block_k: int) -> int:
 def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks: int, dtype, mode: str,
                kl_logits_dtype=None) -> int:
     """Upper estimate of the kernel's VMEM use: double-buffered blocks, scratch and f32 temporaries.
-    kl_logits_dtype: the fused-KL variant (`FusedKL`) with logits of that dtype."""
+    kl_logits_dtype: the fused-KL variant (`fused_kl.FusedKL`) with logits of that dtype."""
     isz = jnp.dtype(dtype).itemsize
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     g = common.head_group(num_heads, hc, dtype)
@@ -115,7 +115,7 @@ def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks:
         lsz = jnp.dtype(kl_logits_dtype).itemsize
         blocks += -2 * bq * n_p * 4 + 4 * bq * n_p * lsz + 2 * common.SUBLANES * n_p * 4
         scratch += bq * n_p * 4
-        temporaries = max(temporaries, 8 * bq * kl_chunk(n_p, FusedKL.chunk) * 4)
+        temporaries = max(temporaries, 8 * bq * fused_kl.kl_chunk(n_p, fused_kl.FusedKL.chunk) * 4)
     return blocks + scratch + temporaries
 
 
@@ -144,30 +144,9 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: i
     return TeacherConfig(16, bk, head_chunk, False, budget.vmem_bytes - VMEM_HEADROOM)
 
 
-@dataclasses.dataclass(frozen=True)
-class FusedKL:
-    """The KL forward fused into the teacher's last step (the loss path): instead of P the kernel writes per-row KL
-    statistics and, with emit_gradient, G = softmax_V(I) * sum P - P (the backward multiplies it by the per-row
-    cotangent). P never reaches HBM.
-
-    seq_len: real query rows (later rows are padding and see nothing). chunk: lanes per epilogue step (a multiple
-    of 128 dividing N_p, or N_p): bounds the epilogue's f32 temporaries to [bq, chunk] whatever N is.
-    """
-
-    emit_gradient: bool
-    seq_len: int
-    chunk: int = 2048
-
-
 # Causal schedules with at most this many kv tiles run the cached pass 2 as straight-line code, one variant per
 # tile count and last width (code grows with the square of the tile count; longer walks use a loop).
 STRAIGHT_PASS2_MAX_TILES = 4
-
-KL_STAT_ROWS = 8  # row 0 KL, row 1 lse, row 2 sum P, row 3 non-empty; the layout of `kl.kl_forward_pallas`
-
-
-def kl_chunk(n_p: int, chunk: int) -> int:
-    return n_p if n_p <= chunk else max(c for c in range(128, chunk + 1, 128) if n_p % c == 0)
 
 
 def normalize_rows(head_sum: jax.Array) -> jax.Array:
@@ -252,7 +231,7 @@ def _pair_index_maps(*, head_chunk: int, group: int, schedule: common.TileSchedu
 
 
 def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, schedule, nh,
-            layout, group, scale, normalize, pairs, kl: Optional["FusedKL"] = None):
+            layout, group, scale, normalize, pairs, kl: Optional[fused_kl.FusedKL] = None):
     refs = list(refs)
     lse_ref = None if mode == "per_head" else refs.pop(0)
     if kl is None:
@@ -287,7 +266,8 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
 
     def fused_epilogue():
         visible_at, nonempty = _dense_visibility(kl, qmeta_ref, krow_ref, qi=out_qi, schedule=schedule)
-        kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, visible_at=visible_at, nonempty_rows=nonempty)
+        fused_kl.kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, visible_at=visible_at,
+                             nonempty_rows=nonempty)
 
     # Pairs (one head chunk): the output block is zeroed by the step that accumulates it, right before pass 2.
     @pl.when((step == at.last_step) if pairs else ((c == 0) & (step == 0)))
@@ -506,21 +486,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             out_ref[...] = acc / jnp.maximum(total, common.F32_TINY)
 
 
-def fused_kl_blocks(kl: FusedKL, logits, row_map, *, block_q: int):
-    """BlockSpecs of a teacher kernel (dense or sparse) with the fused KL: (logits in-spec, out_specs, out_shape)
-    for the logits [B, S_p, W_p], the KL statistics [B, nq, 8, bq] and, with kl.emit_gradient, G [B, S_p, W_p].
-    row_map: the kernel's per-query-tile index map (returns (b, qi, 0))."""
-    b, s_p, width = logits.shape
-    row_block = pl.BlockSpec((None, block_q, width), row_map)
-    out_specs = [pl.BlockSpec((None, None, KL_STAT_ROWS, block_q), lambda *ids: (*row_map(*ids)[:2], 0, 0))]
-    out_shape = [jax.ShapeDtypeStruct((b, s_p // block_q, KL_STAT_ROWS, block_q), jnp.float32)]
-    if kl.emit_gradient:
-        out_specs.append(row_block)
-        out_shape.append(jax.ShapeDtypeStruct((b, s_p, width), logits.dtype))
-    return row_block, out_specs, out_shape
-
-
-def _dense_visibility(kl: FusedKL, qmeta_ref, krow_ref, *, qi, schedule: common.TileSchedule):
+def _dense_visibility(kl: fused_kl.FusedKL, qmeta_ref, krow_ref, *, qi, schedule: common.TileSchedule):
     """(visible_at(start, width) -> bool [bq, width], non-empty rows [bq, 1] or None) for the dense support V(t)."""
     bq = schedule.block_q
     if schedule.causal:  # row t sees blocks j < limit[t] (complete blocks, real rows only)
@@ -537,85 +503,8 @@ def _dense_visibility(kl: FusedKL, qmeta_ref, krow_ref, *, qi, schedule: common.
     return visible_at, None
 
 
-def kl_epilogue(kl: FusedKL, acc_ref, logits_ref, stats_ref, grad_ref, *, visible_at, nonempty_rows=None,
-                mask_target: bool = False):
-    """KL(P || softmax_V(I)) of one query tile from its head sum acc [bq, W_p] (SPEC §4), W = N (dense) or K
-    slots (sparse); visible_at(start, width) gives V(t) on a lane range, nonempty_rows (optional) |V(t)| > 0.
-
-    One sweep when W_p fits one chunk (the exponentials of the student serve its LSE and G); otherwise a sweep for
-    the student LSE and the teacher's row mass, then one for the KL terms and G. In dense mode entries outside
-    V(t) hold an exact 0 in acc (masked scores), so only the logits need masking (mask_target=False); padding and
-    empty rows get a zero row scale, which zeroes their P without a per-element select.
-    """
-    bq, n_p = acc_ref.shape
-    width = kl_chunk(n_p, kl.chunk)
-    nchunks = n_p // width
-    column = lambda value: jnp.full((bq, 1), value, jnp.float32)
-    row_sum = lambda x: jnp.sum(x, axis=1, keepdims=True)
-    row_max = lambda x: jnp.max(x, axis=1, keepdims=True)
-
-    def chunk_at(j):
-        start = pl.multiple_of(j * width, width) if nchunks > 1 else 0
-        visible = visible_at(start, width)
-        logits = jnp.where(visible, logits_ref[:, pl.ds(start, width)].astype(jnp.float32), -jnp.inf)
-        head_sum = acc_ref[:, pl.ds(start, width)]
-        if mask_target:
-            head_sum = jnp.where(visible, head_sum, 0.0)
-        return start, visible, logits, head_sum
-
-    def row_scales(top, exp_sum, total, nonempty):
-        lse = jnp.where(nonempty, top + jnp.log(jnp.maximum(exp_sum, common.F32_TINY)), 0.0)
-        inv_total = jnp.where(nonempty, 1.0 / jnp.maximum(total, common.F32_TINY), 0.0)
-        return lse, inv_total, total * inv_total  # sum P: 1, or 0 on a row whose teacher saw nothing
-
-    def kl_terms(prob, logits, lse):
-        positive = prob > 0  # implies t sees the block, so logits is finite there
-        return row_sum(jnp.where(positive, prob * (jnp.log(prob) - logits + lse), 0.0))
-
-    if nchunks == 1:
-        _, visible, logits, head_sum = chunk_at(0)
-        nonempty = nonempty_rows if nonempty_rows is not None else row_max(visible.astype(jnp.float32)) > 0
-        top = jnp.where(nonempty, row_max(logits), 0.0)
-        e = jnp.exp(logits - top)  # 0 outside V(t)
-        exp_sum = row_sum(e)
-        lse, inv_total, mass = row_scales(top, exp_sum, row_sum(head_sum), nonempty)
-        prob = head_sum * inv_total
-        kl_rows = kl_terms(prob, logits, lse)
-        if grad_ref is not None:
-            # d KL / d I = softmax_V(I) * sum P - P: the exact derivative of the KL computed here (SPEC §5's Q - P
-            # whenever the teacher row has mass 1); 0 outside V(t), where e and P are 0.
-            grad_ref[...] = (e * (mass / jnp.maximum(exp_sum, common.F32_TINY)) - prob).astype(grad_ref.dtype)
-    else:
-        def stats_step(j, carry):
-            top, exp_sum, total, count = carry
-            _, visible, logits, head_sum = chunk_at(j)
-            new_top = jnp.maximum(top, row_max(logits))
-            exp_sum = exp_sum * jnp.exp(top - new_top) + row_sum(jnp.exp(logits - new_top))
-            return new_top, exp_sum, total + row_sum(head_sum), count + row_sum(visible.astype(jnp.float32))
-
-        top, exp_sum, total, count = lax.fori_loop(
-            0, nchunks, stats_step, (column(common.STAT_FLOOR), column(0.0), column(0.0), column(0.0)))
-        nonempty = nonempty_rows if nonempty_rows is not None else count > 0
-        lse, inv_total, mass = row_scales(top, exp_sum, total, nonempty)
-
-        def kl_step(j, kl_sum):
-            start, _, logits, head_sum = chunk_at(j)
-            prob = head_sum * inv_total
-            if grad_ref is not None:
-                grad = jnp.exp(logits - lse) * mass - prob
-                grad_ref[:, pl.ds(start, width)] = grad.astype(grad_ref.dtype)
-            return kl_sum + kl_terms(prob, logits, lse)
-
-        kl_rows = lax.fori_loop(0, nchunks, kl_step, column(0.0))
-    kl_rows = jnp.where(nonempty, kl_rows, 0.0)
-    zeros = jnp.zeros_like(kl_rows)
-    cols = jnp.concatenate([kl_rows, lse, mass, nonempty.astype(jnp.float32)] + [zeros] * (KL_STAT_ROWS - 4),
-                           axis=0)
-    stats_ref[...] = common.column_to_rows(cols, KL_STAT_ROWS)
-
-
 def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cfg: TeacherConfig, scale: float,
-                   schedule: common.TileSchedule, normalize: bool = True, kl: Optional[FusedKL] = None,
+                   schedule: common.TileSchedule, normalize: bool = True, kl: Optional[fused_kl.FusedKL] = None,
                    logits=None, interpret=False):
     """Runs the dense teacher kernel on padded, prepared inputs.
 
@@ -681,7 +570,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         batch_of = lambda p, c, step, firsts_ref, counts_ref: common.index_div(p, nq)
         krow = (pl.BlockSpec(memory_space=pl.ANY) if schedule.causal
                 else pl.BlockSpec((None, common.SUBLANES, n_p), lambda *ids: (batch_of(*ids), 0, 0)))
-        logits_spec, out_specs, out_shape = fused_kl_blocks(kl, logits, maps["row"], block_q=bq)
+        logits_spec, out_specs, out_shape = fused_kl.fused_kl_blocks(kl, logits, maps["row"], block_q=bq)
         in_specs += [logits_spec, krow]
         operands += [logits, kmeta]
     lanes = min(common.LANES, bk)
