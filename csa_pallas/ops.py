@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from csa_pallas import masks
 from csa_pallas import reference
@@ -262,9 +263,11 @@ class FusedStatic:
     seq_len: int
     interpret: object
     kl_chunk: int = fused_kl.FusedKL.chunk
+    grad_scale: float = 1.0  # `fused_kl.FusedKL.grad_scale`
 
     def launch(self, emit_gradient: bool, logits, operands):
-        kl = fused_kl.FusedKL(emit_gradient=emit_gradient, seq_len=self.seq_len, chunk=self.kl_chunk)
+        kl = fused_kl.FusedKL(emit_gradient=emit_gradient, seq_len=self.seq_len, chunk=self.kl_chunk,
+                              grad_scale=self.grad_scale)
         return self.run(self, kl, logits, operands)
 
 
@@ -291,6 +294,27 @@ def _fused_kl_stats_bwd(static, grad, cotangent):
 _fused_kl_stats.defvjp(_fused_kl_stats_fwd, _fused_kl_stats_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_weighted_loss(static: FusedStatic, logits, operands):
+    """(static.grad_scale * sum of the rows' KL, KL statistics [B, nq, 8, bq]): a loss whose every row has the same
+    static weight. Only the first output is differentiable (the caller stops the statistics' gradient); its
+    backward is cotangent * G with G saved pre-scaled, so a constant-1 cotangent leaves no work at all."""
+    (stats,) = static.launch(False, logits, operands)
+    return static.grad_scale * jnp.sum(stats[:, :, 0, :]), stats
+
+
+def _fused_weighted_loss_fwd(static, logits, operands):
+    stats, grad = static.launch(True, logits, operands)
+    return (static.grad_scale * jnp.sum(stats[:, :, 0, :]), stats), grad
+
+
+def _fused_weighted_loss_bwd(static, grad, cotangents):
+    return cotangents[0].astype(grad.dtype) * grad, None
+
+
+_fused_weighted_loss.defvjp(_fused_weighted_loss_fwd, _fused_weighted_loss_bwd)
+
+
 def fused_rows(indexer_logits, static: FusedStatic, operands, *, padded_seq: int, padded_width: int):
     """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S] from a fused
     teacher + KL kernel (shared by dense and sparse mode)."""
@@ -302,6 +326,15 @@ def fused_rows(indexer_logits, static: FusedStatic, operands, *, padded_seq: int
     return rows, nonempty
 
 
+def fused_weighted_loss(indexer_logits, static: FusedStatic, operands, *, padded_seq: int, padded_width: int,
+                        row_weight: float):
+    """row_weight * sum_t KL_t (scalar f32, differentiable wrt indexer_logits) from a fused teacher + KL kernel,
+    for reductions that weigh every row by the same static number (padding rows have KL 0)."""
+    logits = pad_axis(pad_axis(indexer_logits, 1, padded_seq), 2, padded_width)
+    loss, _ = _fused_weighted_loss(dataclasses.replace(static, grad_scale=row_weight), logits, operands)
+    return loss
+
+
 def _run_dense(static: FusedStatic, kl, logits, operands):
     q, kv, lse_in, qmeta, kmeta, firsts, counts = operands
     return teacher_kernel.teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, mode=static.mode,
@@ -309,29 +342,66 @@ def _run_dense(static: FusedStatic, kl, logits, operands):
                                          logits=logits, interpret=static.interpret)
 
 
+def _dense_fused(inputs: TeacherInputs, layout: DenseLayout, problem: Problem, kl_chunk: int):
+    static = FusedStatic(_run_dense, inputs.mode, layout.cfg, layout.schedule, problem.softmax_scale,
+                         problem.seq_len, runtime.interpret_mode(), kl_chunk)
+    operands = (inputs.q, inputs.kv, inputs.lse_in, layout.qmeta, layout.kmeta, layout.firsts, layout.counts)
+    return static, operands, dict(padded_seq=layout.padded_seq, padded_width=layout.padded_blocks)
+
+
 def fused_kl_rows(indexer_logits, inputs: TeacherInputs, layout: DenseLayout, problem: Problem,
                   kl_chunk: int = fused_kl.FusedKL.chunk):
     """Dense mode: per-row KL [B, S] and non-empty mask [B, S] from the teacher kernel with the fused KL (P stays
     in VMEM). kl_chunk: lanes per epilogue step (see `fused_kl.FusedKL`)."""
-    static = FusedStatic(_run_dense, inputs.mode, layout.cfg, layout.schedule, problem.softmax_scale,
-                         problem.seq_len, runtime.interpret_mode(), kl_chunk)
-    operands = (inputs.q, inputs.kv, inputs.lse_in, layout.qmeta, layout.kmeta, layout.firsts, layout.counts)
-    return fused_rows(indexer_logits, static, operands, padded_seq=layout.padded_seq,
-                      padded_width=layout.padded_blocks)
+    static, operands, padded = _dense_fused(inputs, layout, problem, kl_chunk)
+    return fused_rows(indexer_logits, static, operands, **padded)
+
+
+def fused_kl_loss(indexer_logits, inputs: TeacherInputs, layout: DenseLayout, problem: Problem, row_weight: float,
+                  kl_chunk: int = fused_kl.FusedKL.chunk):
+    """Dense mode: row_weight * sum_t KL_t (see `fused_weighted_loss`)."""
+    static, operands, padded = _dense_fused(inputs, layout, problem, kl_chunk)
+    return fused_weighted_loss(indexer_logits, static, operands, row_weight=row_weight, **padded)
+
+
+def uniform_row_weight(reduction: str, scale, batch: int, seq_len: int, nonempty_rows: Optional[int]):
+    """(w, traced scale or None) when the reduction weighs every row by one static number w (times the traced
+    scale): "sum", "mean_all", and "mean" when the number of non-empty rows is static; else None."""
+    if reduction == "sum":
+        weight = 1.0
+    elif reduction == "mean_all":
+        weight = 1.0 / max(batch * seq_len, 1)
+    elif reduction == "mean" and nonempty_rows is not None:
+        weight = 1.0 / max(nonempty_rows, 1)
+    else:
+        return None
+    if isinstance(scale, (int, float, np.number)) or (isinstance(scale, np.ndarray) and scale.ndim == 0):
+        return weight * float(scale), None
+    return weight, scale
 
 
 def loss_through_kernels(indexer_logits, problem: Problem, *, make_layout, make_target, make_kl_rows,
-                         reduction: str, scale):
+                         reduction: str, scale, make_weighted_loss=None, static_nonempty_rows=None):
     """The loss driver of both modes: layout -> teacher -> KL -> reduction (XLA).
 
     make_layout(problem), make_target(problem, layout) (P, or the fused kernel's inputs) and
     make_kl_rows(logits, target, layout) come from `ops` (dense) or `ops_sparse` (sparse); same contract as
-    `reference.indexer_distill_loss`."""
+    `reference.indexer_distill_loss`. make_weighted_loss(logits, target, layout, w) (w * sum of the rows' KL) is
+    used instead when every row has the same static weight (`uniform_row_weight`; static_nonempty_rows(layout):
+    the number of non-empty rows when it is known before the kernel runs, else None)."""
     if problem.num_blocks == 0:  # S_kv < m: no block exists, every row is empty
         rows = jnp.zeros(indexer_logits.shape[:2], jnp.float32)
         return reference.reduce_rows(rows, jnp.zeros(rows.shape, bool), reduction, scale)
     layout = make_layout(problem)
-    rows, nonempty = make_kl_rows(indexer_logits, make_target(problem, layout), layout)
+    target = make_target(problem, layout)
+    if make_weighted_loss is not None:
+        known = static_nonempty_rows(layout) if static_nonempty_rows is not None else None
+        uniform = uniform_row_weight(reduction, scale, problem.batch, problem.seq_len, known)
+        if uniform is not None:
+            weight, traced_scale = uniform
+            loss = make_weighted_loss(indexer_logits, target, layout, weight)
+            return loss if traced_scale is None else loss * traced_scale
+    rows, nonempty = make_kl_rows(indexer_logits, target, layout)
     return reference.reduce_rows(rows, nonempty, reduction, scale)
 
 
@@ -343,4 +413,11 @@ def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "
         make_layout=lambda pr: dense_layout(pr, cfg, kl_logits_dtype=indexer_logits.dtype),
         make_target=teacher_inputs,
         make_kl_rows=lambda logits, inputs, layout: fused_kl_rows(logits, inputs, layout, problem),
-        reduction=reduction, scale=scale)
+        reduction=reduction, scale=scale,
+        make_weighted_loss=lambda logits, inputs, layout, w: fused_kl_loss(logits, inputs, layout, problem, w),
+        static_nonempty_rows=lambda layout: default_ids_nonempty_rows(problem) if layout.schedule.causal else None)
+
+
+def default_ids_nonempty_rows(problem: Problem) -> int:
+    """Default ids (one document, positions 0..S-1, S_kv == S): row t sees a block once t >= m - 1."""
+    return problem.batch * max(problem.seq_len - problem.compress_ratio + 1, 0)

@@ -1,5 +1,7 @@
 """Dense Pallas kernels (interpret mode on CPU, compiled on a TPU) against the pure-JAX reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,6 +70,35 @@ def test_causal_diagonal_tiles_of_two_chunks(target, heads, head_chunk, cache):
     cfg = TeacherConfig(block_q=32, block_k=256, head_chunk=head_chunk, cache_scores=cache,
                         vmem_limit_bytes=32 << 20)
     assert_matches(run_case(arrays, target=target, ratio=2, head_chunk=head_chunk, cfg=cfg))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "mean_all"])
+@pytest.mark.parametrize("traced_scale", [False, True])
+def test_uniform_row_weight_loss_with_static_and_traced_scale(reduction, traced_scale):
+    # Default ids: every row has the same static weight (for "mean": 1 / (B * (S - m + 1))), so the kernel saves G
+    # pre-scaled and the loss is one custom_vjp output (`ops.fused_weighted_loss`); a traced scale multiplies after.
+    from csa_pallas import ops
+    arrays = make_case(4, batch=2, seq=96, heads=4, head_dim=32)
+    problem = validation.validate(arrays["q"], arrays["compressed_kv"], target="per_head")
+    assert ops.default_ids_nonempty_rows(problem) == 2 * (96 - 4 + 1)
+    weight = ops.uniform_row_weight(reduction, 0.37, 2, 96, ops.default_ids_nonempty_rows(problem))
+    assert weight[1] is None and weight[0] == pytest.approx(0.37 * {"mean": 1 / 186, "sum": 1.0, "mean_all": 1 / 192}[
+        reduction])
+    assert ops.uniform_row_weight("mean", 0.37, 2, 96, None) is None  # packed documents: counted by the kernel
+
+    def loss(logits, scale, implementation):
+        return csa_pallas.indexer_distill_loss(logits, arrays["q"], arrays["compressed_kv"], target="per_head",
+                                               reduction=reduction, scale=scale, implementation=implementation)
+
+    def value_and_grad(implementation):
+        if traced_scale:
+            return jax.jit(jax.value_and_grad(functools.partial(loss, implementation=implementation)))(
+                arrays["logits"], jnp.float32(0.37))
+        return jax.value_and_grad(lambda x: loss(x, 0.37, implementation))(arrays["logits"])
+
+    (got, got_grad), (want, want_grad) = value_and_grad("pallas"), value_and_grad("xla")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(got_grad, want_grad, atol=1e-5 * np.abs(want_grad).max())
 
 
 @pytest.mark.parametrize("reduction", ["mean_all", "sum", "none"])

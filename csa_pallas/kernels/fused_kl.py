@@ -26,11 +26,14 @@ class FusedKL:
 
     seq_len: real query rows (later rows are padding and see nothing). chunk: lanes per epilogue step (a multiple
     of 128 dividing N_p, or N_p): bounds the epilogue's f32 temporaries to [bq, chunk] whatever N is.
+    grad_scale: G is written times this (the loss's weight of every row, when it is one static number: the
+    backward then only scales G by the loss's cotangent, which XLA drops when that is the constant 1).
     """
 
     emit_gradient: bool
     seq_len: int
     chunk: int = 2048
+    grad_scale: float = 1.0
 
 
 KL_STAT_ROWS = 8  # row 0 KL, row 1 lse, row 2 sum P, row 3 non-empty; the layout of `kl.kl_forward_pallas`
@@ -101,7 +104,9 @@ def kl_epilogue(kl: FusedKL, acc_ref, logits_ref, stats_ref, grad_ref, *, visibl
         if grad_ref is not None:
             # d KL / d I = softmax_V(I) * sum P - P: the exact derivative of the KL computed here (SPEC §5's Q - P
             # whenever the teacher row has mass 1); 0 outside V(t), where e and P are 0.
-            grad_ref[...] = (e * (mass / jnp.maximum(exp_sum, common.F32_TINY)) - prob).astype(grad_ref.dtype)
+            q_scale = mass * kl.grad_scale / jnp.maximum(exp_sum, common.F32_TINY)
+            p_part = prob if kl.grad_scale == 1.0 else head_sum * (inv_total * kl.grad_scale)
+            grad_ref[...] = (e * q_scale - p_part).astype(grad_ref.dtype)
     else:
         def stats_step(j, carry):
             top, exp_sum, total, count = carry
@@ -120,6 +125,8 @@ def kl_epilogue(kl: FusedKL, acc_ref, logits_ref, stats_ref, grad_ref, *, visibl
             prob = head_sum * inv_total
             if grad_ref is not None:
                 grad = jnp.exp(logits - lse) * mass - prob
+                if kl.grad_scale != 1.0:
+                    grad = grad * kl.grad_scale
                 grad_ref[:, pl.ds(start, width)] = grad.astype(grad_ref.dtype)
             return kl_sum + kl_terms(prob, logits, lse)
 
