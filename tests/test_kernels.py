@@ -283,14 +283,15 @@ def test_bf16_logits_gradient_is_the_rounded_f32_gradient():
     assert np.any(got != 0)
 
 
-@pytest.mark.parametrize("seq, heads, ratio, block_q, block_k, target", [
-    (500, 8, 1, 16, 128, "per_head"),  # token-major rows, 1..4 kv tiles per query tile, padding rows
-    (500, 2, 2, 32, 128, "joint"),  # head-major rows
-    (512, 2, 32, 16, 16, "joint"),  # the first query tile sees no block
+@pytest.mark.parametrize("seq, heads, ratio, block_q, block_k, target, merged", [
+    (500, 8, 1, 16, 128, "per_head", True),  # token-major rows, 1..4 kv tiles per query tile, padding rows
+    (500, 2, 2, 32, 128, "joint", True),  # head-major rows
+    (512, 2, 32, 16, 16, "joint", False),  # the first query tile sees no block; second tiles see one kv tile
 ])
-def test_paired_causal_query_tiles(seq, heads, ratio, block_q, block_k, target):
+def test_paired_causal_query_tiles(seq, heads, ratio, block_q, block_k, target, merged):
     # Default ids, cached scores, one head chunk and an even number of query tiles: tiles (i, nq-1-i) share one
-    # walk of grid steps, the first tile's pass 2 (and fused KL) in the second tile's first step.
+    # walk of grid steps, the first tile's pass 2 (and fused KL) in the second tile's first step; the second
+    # tile's pass 2 in its own last pass-1 step (merged) or in a step of its own.
     from csa_pallas import ops
     from csa_pallas.kernels import teacher as teacher_kernel
     arrays = make_case(15, seq=seq, heads=heads, head_dim=32, ratio=ratio)
@@ -299,6 +300,7 @@ def test_paired_causal_query_tiles(seq, heads, ratio, block_q, block_k, target):
     problem = validation.validate(arrays["q"], arrays["compressed_kv"], compress_ratio=ratio, target="per_head")
     schedule = ops.dense_layout(problem, cfg).schedule
     assert schedule.causal and teacher_kernel._pairs_fit(schedule)
+    assert teacher_kernel._pair_merged(schedule) == merged
     assert_matches(run_case(arrays, target=target, ratio=ratio, head_chunk=heads, cfg=cfg))
 
 

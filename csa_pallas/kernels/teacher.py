@@ -145,7 +145,7 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: i
 
 
 # Causal schedules with at most this many kv tiles run the cached pass 2 as straight-line code, one variant per
-# tile count and last width (code grows with the square of the tile count; longer walks use a loop).
+# tile count and last width (code size grows with the square of the tile count; longer walks use a loop).
 STRAIGHT_PASS2_MAX_TILES = 4
 
 
@@ -167,12 +167,20 @@ def _pairs_fit(schedule: common.TileSchedule) -> bool:
     return nq % 2 == 0 and all(_static_count(schedule, nq - 1 - i) >= 1 for i in range(nq // 2))
 
 
-def _pair_steps(schedule: common.TileSchedule) -> int:
-    """Grid steps per pair of query tiles (qi, nq-1-qi): both tiles' pass-1 steps and the second tile's pass 2 (the
-    first tile's pass 2 shares the second tile's first step). The causal counts of such a pair add up to nearly
-    the same number for every pair: no idle steps."""
+def _pair_merged(schedule: common.TileSchedule) -> bool:
+    """Every second tile visits >= 2 kv tiles: its pass 2 can follow its last pass-1 step in the same grid step
+    (with one tile, that step is also the first tile's pass 2, which needs the first tile's output blocks)."""
     nq = schedule.nq
-    return max(_static_count(schedule, i) + _static_count(schedule, nq - 1 - i) for i in range(nq // 2)) + 1
+    return all(_static_count(schedule, nq - 1 - i) >= 2 for i in range(nq // 2))
+
+
+def _pair_steps(schedule: common.TileSchedule) -> int:
+    """Grid steps per pair of query tiles (qi, nq-1-qi): both tiles' pass-1 steps, plus one for the second tile's
+    pass 2 unless `_pair_merged` (the first tile's pass 2 shares the second tile's first step). The causal counts
+    of such a pair add up to nearly the same number for every pair: no idle steps."""
+    nq = schedule.nq
+    most = max(_static_count(schedule, i) + _static_count(schedule, nq - 1 - i) for i in range(nq // 2))
+    return most if _pair_merged(schedule) else most + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +196,8 @@ class _PairStep:
 def _pair_decode(schedule: common.TileSchedule, p, step) -> _PairStep:
     """Pair walk of grid row p, tiles qa = pair and qb = nq-1-pair (counts ca, cb): steps 0..ca-1 are qa's pass 1,
     steps ca..ca+cb-1 qb's pass 1, step ca also qa's pass 2 (before qb's work: pass 1 overwrites the cache and F),
-    step ca+cb qb's pass 2. Both tiles' output blocks stay resident until their pass 2: pass 1 never touches them."""
+    qb's pass 2 in step ca+cb-1 after its last pass-1 work (`_pair_merged`) or else in step ca+cb. Both tiles'
+    output blocks stay resident until their pass 2: pass 1 never touches them."""
     npairs = schedule.nq // 2
     b = common.index_div(p, npairs)
     qa = common.index_rem(p, npairs)
@@ -199,7 +208,7 @@ def _pair_decode(schedule: common.TileSchedule, p, step) -> _PairStep:
     out_second = step > ca
     return _PairStep(b=b, qi=jnp.where(second, qb, qa), k=jnp.where(second, step - ca, step),
                      count=jnp.where(second, cb, ca), out_qi=jnp.where(out_second, qb, qa),
-                     pass2=jnp.where(out_second, ca + cb, ca))
+                     pass2=jnp.where(out_second, ca + cb - (1 if _pair_merged(schedule) else 0), ca))
 
 
 def _pair_tile(schedule: common.TileSchedule, ps: _PairStep):
@@ -263,6 +272,9 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     qi, c, step, in_pass1, k, tile, active = at.qi, at.c, at.step, at.in_pass1, at.k, at.tile, at.active
     # With pairs (one head chunk), the first tile's last step is the second tile's first pass-1 step (k == 0).
     epilogue_in_pass1 = pairs and kl is not None
+    # Merged pairs: the second tile's pass 2 (and epilogue) follow its own last pass-1 work in the same step.
+    # (At its pass-2 step a merged pair's first tile is at k == 0 of the second tile's walk, the second at k > 0.)
+    own_pass2 = jnp.logical_not(first_step) if pairs and _pair_merged(schedule) else False
 
     def fused_epilogue():
         visible_at, nonempty = _dense_visibility(kl, qmeta_ref, krow_ref, qi=out_qi, schedule=schedule)
@@ -285,6 +297,8 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     # Causal diagonal tiles are computed only up to the last 128-lane chunk the query tile can see: chunks past
     # it would be all -inf (at bk = 256, m = 4, bq = 64 this skips 1/10 of the matmul work).
     chunk = common.LANES if schedule.causal and bk > common.LANES else bk
+    # The pass-1 tile's visible width, computed once up front (not re-derived inside each branch).
+    pass1_width = schedule.visible_width(qi, tile, chunk) if chunk != bk else bk
 
     def scores(masked: bool, width: int):
         """Scaled scores (base 2: times log2 e) of the step's rows against the first `width` blocks of the kv
@@ -316,7 +330,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         if chunk == bk:
             pl.when(partial)(functools.partial(body, True, bk))
             return
-        width = schedule.visible_width(qi, tile, chunk)
+        width = pass1_width
         for w in range(chunk, bk + 1, chunk):
             pl.when(partial & (width == w))(functools.partial(body, True, w))
 
@@ -344,7 +358,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
 
         @pl.when(jnp.logical_not(full))
         def _():
-            width = schedule.visible_width(qi, tile, chunk)
+            width = pass1_width
             for w in range(chunk, bk + 1, chunk):
                 pl.when(width == w)(functools.partial(body, True, w))
 
@@ -398,7 +412,8 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
 
     # Cached scores are already masked; the chunks past the visible width were never written (nor are they read).
     if cache_scores:  # ahead of pass 1: with pairs, this step's pass-1 work belongs to the next tile
-        pl.when((step == at.last_step) & (schedule.count(counts_ref, at.b, out_qi) > 0))(cached_pass2)
+        pl.when((step == at.last_step) & (schedule.count(counts_ref, at.b, out_qi) > 0)
+                & jnp.logical_not(own_pass2))(cached_pass2)
 
     if two_pass:
         # The first visited tile writes the statistics (no initialisation pass over them); a query tile that
@@ -453,6 +468,9 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                         pl.when(cond & jnp.logical_not(last))(
                             lambda: dispatch(functools.partial(pass1, first, False, finalize)))
 
+    if cache_scores and pairs and _pair_merged(schedule):  # after pass 1, which wrote the last tile and F
+        pl.when((step == at.last_step) & own_pass2)(cached_pass2)
+
     def pass2(first, masked, width):
         z = scores(masked, width)  # (cached scores: `cached_pass2`)
         # The first pass-2 step computes F itself: its cross-lane reductions (XLU-bound) then share a basic block
@@ -475,7 +493,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
 
     if kl is not None:
         # Pairs: the first tile's epilogue runs inside the second tile's first pass-1 step (see pass1).
-        standalone = (step == at.last_step) & jnp.logical_not(active) if epilogue_in_pass1 else (
+        standalone = (step == at.last_step) & (jnp.logical_not(active) | own_pass2) if epilogue_in_pass1 else (
             (c == nh - 1) & (step == at.last_step))
         pl.when(standalone)(fused_epilogue)
     elif normalize:
