@@ -294,22 +294,25 @@ def _fused_kl_stats_bwd(static, grad, cotangent):
 _fused_kl_stats.defvjp(_fused_kl_stats_fwd, _fused_kl_stats_bwd)
 
 
+def _weighted_total(static: FusedStatic, stats):
+    return static.grad_scale * jnp.sum(stats[:, :, 0, :])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_weighted_loss(static: FusedStatic, logits, operands):
-    """(static.grad_scale * sum of the rows' KL, KL statistics [B, nq, 8, bq]): a loss whose every row has the same
-    static weight. Only the first output is differentiable (the caller stops the statistics' gradient); its
-    backward is cotangent * G with G saved pre-scaled, so a constant-1 cotangent leaves no work at all."""
+    """static.grad_scale * the sum of the rows' KL (scalar f32): a loss whose every row has the same static weight.
+    Its backward is cotangent * G with G saved pre-scaled, so a constant-1 cotangent leaves no work at all."""
     (stats,) = static.launch(False, logits, operands)
-    return static.grad_scale * jnp.sum(stats[:, :, 0, :]), stats
+    return _weighted_total(static, stats)
 
 
 def _fused_weighted_loss_fwd(static, logits, operands):
     stats, grad = static.launch(True, logits, operands)
-    return (static.grad_scale * jnp.sum(stats[:, :, 0, :]), stats), grad
+    return _weighted_total(static, stats), grad
 
 
-def _fused_weighted_loss_bwd(static, grad, cotangents):
-    return cotangents[0].astype(grad.dtype) * grad, None
+def _fused_weighted_loss_bwd(static, grad, cotangent):
+    return cotangent.astype(grad.dtype) * grad, None
 
 
 _fused_weighted_loss.defvjp(_fused_weighted_loss_fwd, _fused_weighted_loss_bwd)
@@ -331,8 +334,7 @@ def fused_weighted_loss(indexer_logits, static: FusedStatic, operands, *, padded
     """row_weight * sum_t KL_t (scalar f32, differentiable wrt indexer_logits) from a fused teacher + KL kernel,
     for reductions that weigh every row by the same static number (padding rows have KL 0)."""
     logits = pad_axis(pad_axis(indexer_logits, 1, padded_seq), 2, padded_width)
-    loss, _ = _fused_weighted_loss(dataclasses.replace(static, grad_scale=row_weight), logits, operands)
-    return loss
+    return _fused_weighted_loss(dataclasses.replace(static, grad_scale=row_weight), logits, operands)
 
 
 def _run_dense(static: FusedStatic, kl, logits, operands):

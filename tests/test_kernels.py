@@ -262,6 +262,28 @@ def test_fused_kl_in_lane_chunks_matches_reference(num_docs):
     assert np.all(np.asarray(got_grad)[:, :3] == 0)  # rows t <= m - 2 see no block
 
 
+def test_fused_weighted_loss_in_lane_chunks_matches_reference():
+    # G saved pre-scaled by the static row weight (`fused_kl.FusedKL.grad_scale`) in both epilogue forms: one sweep
+    # and the two-sweep 128-lane chunks (N_p = 256).
+    from csa_pallas import ops
+    arrays = make_case(13, seq=600, heads=2, head_dim=32)
+    problem = validation.validate(arrays["q"], arrays["compressed_kv"], target="per_head")
+    cfg = TeacherConfig(block_q=64, block_k=256, head_chunk=2, cache_scores=True, vmem_limit_bytes=32 << 20)
+    weight = 0.37 / ops.default_ids_nonempty_rows(problem)
+    want_loss, want_grad = jax.value_and_grad(
+        lambda x: reference.indexer_distill_loss(x, problem, reduction="mean", scale=0.37))(arrays["logits"])
+    for kl_chunk in (128, 4096):
+        def loss(logits):
+            layout = ops.dense_layout(problem, cfg)
+            return ops.fused_kl_loss(logits, ops.teacher_inputs(problem, layout), layout, problem, weight,
+                                     kl_chunk=kl_chunk)
+
+        got_loss, got_grad = jax.jit(jax.value_and_grad(loss))(arrays["logits"])
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+        scale = float(np.max(np.abs(want_grad)))
+        np.testing.assert_allclose(np.asarray(got_grad) / scale, np.asarray(want_grad) / scale, atol=1e-5, rtol=0)
+
+
 def test_bf16_logits_gradient_is_the_rounded_f32_gradient():
     # The forward saves G in the logits' dtype; the backward multiplies by the row cotangent and rounds again:
     # at most one bf16 ulp from the f32 gradient rounded once.

@@ -274,7 +274,8 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     epilogue_in_pass1 = pairs and kl is not None
     # Merged pairs: the second tile's pass 2 (and epilogue) follow its own last pass-1 work in the same step.
     # (At its pass-2 step a merged pair's first tile is at k == 0 of the second tile's walk, the second at k > 0.)
-    own_pass2 = jnp.logical_not(first_step) if pairs and _pair_merged(schedule) else False
+    merged = pairs and _pair_merged(schedule)
+    own_pass2 = jnp.logical_not(first_step) if merged else False
 
     def fused_epilogue():
         visible_at, nonempty = _dense_visibility(kl, qmeta_ref, krow_ref, qi=out_qi, schedule=schedule)
@@ -468,7 +469,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                         pl.when(cond & jnp.logical_not(last))(
                             lambda: dispatch(functools.partial(pass1, first, False, finalize)))
 
-    if cache_scores and pairs and _pair_merged(schedule):  # after pass 1, which wrote the last tile and F
+    if cache_scores and merged:  # after pass 1, which wrote the last tile and F
         pl.when((step == at.last_step) & own_pass2)(cached_pass2)
 
     def pass2(first, masked, width):
