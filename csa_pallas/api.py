@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
+from csa_pallas import masks
 from csa_pallas import reference
 from csa_pallas import validation
 from csa_pallas.validation import Problem
@@ -22,6 +24,24 @@ def pallas_unsupported_reason(problem: Problem) -> Optional[str]:
     """Why the Pallas kernels cannot run this problem, or None when they can."""
     from csa_pallas import ops
     return ops.window_supported_reason(problem)
+
+
+def empty_result(problem: Problem, reduction: str) -> Optional[jax.Array]:
+    """The loss when nothing can contribute (static: B = 0, S = 0 or N = 0): exact zeros; else None."""
+    if problem.batch and problem.seq_len and problem.num_blocks:
+        return None
+    return jnp.zeros((problem.batch, problem.seq_len), jnp.float32) if reduction == "none" else jnp.float32(0.0)
+
+
+def check_window_layout(segment_ids, positions):
+    """Opt-in `checkify` check of the window-LSE kernel's contract (`masks.window_layout_ok`): every document is
+    one contiguous run of the sequence with strictly increasing positions (MaxText packing). Call it inside a
+    function you wrap with `jax.experimental.checkify.checkify` (or eagerly); concrete ids are checked
+    automatically. segment_ids, positions: int [B, S]."""
+    from jax.experimental import checkify
+    checkify.check(masks.window_layout_ok(jnp.asarray(segment_ids), jnp.asarray(positions)),
+                   "csa_pallas: the window-LSE kernel needs every document to be one contiguous run of the sequence "
+                   "with strictly increasing positions; pass noncompressed_lse or implementation='xla' otherwise")
 
 
 def choose_implementation(problem: Problem) -> str:
@@ -37,8 +57,8 @@ def choose_implementation(problem: Problem) -> str:
 
 # Keyword arguments of `validation.validate` (the teacher side shared by both public ops).
 _TEACHER_ARGS = ("topk_indices", "window_kv", "sinks", "noncompressed_lse", "full_lse", "segment_ids", "positions",
-                 "kv_segment_ids", "kv_positions", "compress_ratio", "window_size", "softmax_scale", "target",
-                 "head_chunk", "implementation")
+                 "kv_segment_ids", "kv_positions", "loss_mask", "compress_ratio", "window_size", "softmax_scale",
+                 "target", "head_chunk", "implementation")
 
 
 def _problem(q, compressed_kv, arguments: dict) -> Problem:
@@ -60,6 +80,7 @@ def indexer_distill_loss(
     positions=None,
     kv_segment_ids=None,
     kv_positions=None,
+    loss_mask=None,
     compress_ratio: int = 4,
     window_size: int = 128,
     softmax_scale: Optional[float] = None,
@@ -83,10 +104,13 @@ def indexer_distill_loss(
       full_lse: f32 [B, S, H], the layer's full log-partition F; skips the teacher's LSE pass.
       segment_ids, positions: int [B, S] packing (default one document, positions 0..S-1).
       kv_segment_ids, kv_positions: int [B, S_kv] key side (default: the query side's).
+      loss_mask: bool [B, S], False = the row takes no part in the loss (padding: MaxText's segment id 0); it is
+        an empty row (0, not counted by "mean", zero gradient, nothing it reads matters).
       compress_ratio: m, tokens per compressed block. window_size: W, sliding window keys incl. the query.
       softmax_scale: tau (default D**-0.5). target: "joint" (layer's joint softmax) or "per_head".
       reduction: "mean" (over non-empty rows), "mean_all" (over B*S), "sum" or "none" ([B, S] rows).
-      scale: loss coefficient multiplying the result.
+      scale: loss coefficient multiplying the result. A static 0 (Python/NumPy number) returns exact zeros (and
+        zero gradients) without computing anything.
       head_chunk: heads per VMEM tile (any divisor of H; default from the kernel config).
       implementation: None, "xla" or "pallas" (module docstring).
 
@@ -96,7 +120,14 @@ def indexer_distill_loss(
     problem = _problem(q, compressed_kv, locals())
     validation.validate_logits(indexer_logits, problem)
     validation.check_reduction_args(reduction, scale)
-    if choose_implementation(problem) == "xla":
+    implementation = choose_implementation(problem)
+    if validation.switched_off(scale):  # SPEC §4: exact zeros, no kernel, whatever the inputs hold
+        b, s = problem.batch, problem.seq_len
+        return jnp.zeros((b, s), jnp.float32) if reduction == "none" else jnp.float32(0.0)
+    empty = empty_result(problem, reduction)
+    if empty is not None:
+        return empty
+    if implementation == "xla":
         return reference.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale)
     if problem.sparse:
         from csa_pallas import ops_sparse
@@ -118,6 +149,7 @@ def teacher_distribution(
     positions=None,
     kv_segment_ids=None,
     kv_positions=None,
+    loss_mask=None,
     compress_ratio: int = 4,
     window_size: int = 128,
     softmax_scale: Optional[float] = None,
@@ -127,10 +159,14 @@ def teacher_distribution(
 ) -> jax.Array:
     """The detached target P of SPEC §3: f32 [B, S, N] (dense) or [B, S, K] (sparse, slot order).
 
-    Same teacher-side arguments as `indexer_distill_loss`. Entries outside V(t) and empty rows are 0.
+    Same teacher-side arguments as `indexer_distill_loss`. Entries outside V(t) and empty rows are 0; a row that
+    reads a non-finite input is NaN (SPEC §3).
     """
     problem = _problem(q, compressed_kv, locals())
-    if choose_implementation(problem) == "xla":
+    implementation = choose_implementation(problem)
+    if not (problem.batch and problem.seq_len and problem.num_blocks):
+        return jnp.zeros((problem.batch, problem.seq_len, problem.width), jnp.float32)
+    if implementation == "xla":
         return reference.teacher(problem)[0]
     if problem.sparse:
         from csa_pallas import ops_sparse
@@ -161,7 +197,10 @@ def noncompressed_lse(
         q, window_kv, sinks=sinks, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
         kv_positions=kv_positions, window_size=window_size, softmax_scale=softmax_scale, head_chunk=head_chunk,
         implementation=implementation)
-    if choose_implementation(problem) == "xla":
+    implementation = choose_implementation(problem)
+    if not (problem.batch and problem.seq_len):
+        return jnp.zeros((problem.batch, problem.seq_len, problem.num_heads), jnp.float32)
+    if implementation == "xla":
         return reference.noncompressed_lse(problem)
     from csa_pallas import ops
     return ops.noncompressed_lse(problem)

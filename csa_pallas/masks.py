@@ -62,3 +62,18 @@ def window_visible(segment_ids, positions, kv_segment_ids, kv_positions, window_
     delta = positions[:, :, None] - kv_positions[:, None, :]
     same = segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     return same & (delta >= 0) & (delta < window_size)
+
+
+def window_layout_ok(segment_ids, positions):
+    """bool scalar: every segment occupies one contiguous run of the sequence and positions strictly increase inside
+    it (MaxText packing). Then a window key of query t lies in the index range [t - W + 1, t], the band the
+    window-LSE kernel visits (its contract). segment_ids, positions: int [B, S]."""
+    same = segment_ids[:, 1:] == segment_ids[:, :-1]
+    increasing = jnp.all(jnp.where(same, positions[:, 1:] > positions[:, :-1], True))
+    # A segment id that starts a second run: sort the ids of the run starts and look for equal neighbours.
+    b, s = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), ~same], axis=1)
+    ids = jnp.where(starts, segment_ids, jnp.iinfo(jnp.int32).min)
+    ordered = jnp.sort(ids, axis=1)
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != jnp.iinfo(jnp.int32).min)
+    return increasing & ~jnp.any(repeated)

@@ -31,18 +31,54 @@ import numpy as np
 
 from csa_pallas import masks
 from csa_pallas import reference
+from csa_pallas import validation
 from csa_pallas.kernels import common
 from csa_pallas.kernels import fused_kl
 from csa_pallas.kernels import kl as kl_kernels
 from csa_pallas.kernels import runtime
+from csa_pallas.kernels import schedule as schedule_lib
 from csa_pallas.kernels import teacher as teacher_kernel
 from csa_pallas.kernels import window_lse as window_kernel
 from csa_pallas.validation import Problem
 
 
 def compute_dtype(*arrays):
+    """The kernels' MXU input dtype: bf16 when every input is bf16, else f32 (float16 is computed as its exact f32
+    upcast: Mosaic on v5p has no f16 vector loads)."""
     dtype = jnp.result_type(*[a.dtype for a in arrays if a is not None])
-    return jnp.dtype(jnp.float32) if dtype == jnp.float64 else jnp.dtype(dtype)
+    return jnp.dtype(jnp.bfloat16) if dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
+
+def logits_dtype(indexer_logits):
+    """The dtype the kernels read the student logits in (and write G in): f16 goes in as f32."""
+    return jnp.dtype(jnp.float32) if indexer_logits.dtype == jnp.float16 else jnp.dtype(indexer_logits.dtype)
+
+
+def nan_filled_rows(x):
+    """x [B, R, D] with every row that holds a NaN or +-inf replaced by NaN: the rows that read it then become
+    NaN through their scores (SPEC §3), whatever the signs (a lone -inf score would otherwise silently vanish)."""
+    return jnp.where(jnp.all(jnp.isfinite(x), axis=-1, keepdims=True), x, jnp.nan).astype(x.dtype)
+
+
+def causal_schedule(problem: Problem) -> bool:
+    """The kernels' static causal schedule (iota masks, no metadata) applies: default ids and no loss_mask."""
+    return problem.default_ids and problem.loss_mask is None
+
+
+def query_positions(problem: Problem):
+    """Query positions for the kernels' metadata: a row with loss_mask False gets PAD_POSITION, so it sees
+    nothing (no block, no window key) and is an empty row everywhere."""
+    if problem.loss_mask is None:
+        return problem.positions
+    return jnp.where(problem.loss_mask, problem.positions, common.PAD_POSITION)
+
+
+def shifted_lse(stats):
+    """(stats - sigma, sigma) for u or F, f32 [B, S, H] each: sigma = the row's smallest finite value over heads
+    (`reference.row_shift`), so the teacher's head weights never form numbers of the size of u - C."""
+    stats = stats.astype(jnp.float32)
+    sigma = jnp.swapaxes(reference.row_shift(jnp.swapaxes(stats, 1, 2)), 1, 2)  # [B, S, 1]
+    return stats - sigma, jnp.broadcast_to(sigma, stats.shape)
 
 
 def pad_axis(x, axis: int, size: int, value=0):
@@ -59,7 +95,7 @@ class DenseLayout:
     """Padded kernel inputs shared by the teacher and KL kernels (block sizes from the teacher config)."""
 
     cfg: teacher_kernel.TeacherConfig
-    schedule: common.TileSchedule
+    schedule: schedule_lib.TileSchedule
     seq_len: int
     num_blocks: int
     qmeta: jax.Array  # int32 [B, S_p, 128]
@@ -93,22 +129,40 @@ def dense_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] =
                                             kl_logits_dtype=kl_logits_dtype)
     s_p = common.round_up(problem.seq_len, cfg.block_q)
     n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
-    qmeta = common.query_meta(problem.segment_ids, problem.positions, s_p)
+    qmeta = common.query_meta(problem.segment_ids, query_positions(problem), s_p)
     block_segment, block_end = reference.block_keys(problem)
     kmeta = common.key_meta(block_segment, block_end, n_p, masks.INVALID_BLOCK_END)
     need = common.tile_need(qmeta, kmeta, cfg.block_q, cfg.block_k)
     firsts, counts = common.tile_ranges(need)
-    schedule = common.TileSchedule(causal=problem.default_ids, nq=s_p // cfg.block_q, nk=n_p // cfg.block_k,
-                                   block_q=cfg.block_q, block_k=cfg.block_k, ratio=problem.compress_ratio,
-                                   num_blocks=problem.num_blocks)
+    schedule = schedule_lib.TileSchedule(causal=causal_schedule(problem), nq=s_p // cfg.block_q,
+                                         nk=n_p // cfg.block_k, block_q=cfg.block_q, block_k=cfg.block_k,
+                                         ratio=problem.compress_ratio, num_blocks=problem.num_blocks)
     return DenseLayout(cfg=cfg, schedule=schedule, seq_len=problem.seq_len, num_blocks=problem.num_blocks, qmeta=qmeta, kmeta=kmeta,
                        firsts=firsts, counts=counts)
 
 
 def window_supported_reason(problem: Problem) -> Optional[str]:
-    if problem.window_kv is not None and problem.kv_len != problem.seq_len:
+    """Why the window-LSE kernel cannot serve this problem, or None. Its contract: the key sequence is the query
+    sequence and every document is one contiguous run with strictly increasing positions (`masks.window_layout_ok`,
+    MaxText packing), so a window key of query t lies in [t - W + 1, t]. Checked here when the ids are concrete;
+    traced ids are the caller's promise (`csa_pallas.check_window_layout` checks it under checkify)."""
+    if problem.window_kv is None or problem.target != "joint":
+        return None
+    if problem.kv_len != problem.seq_len:
         return (f"the window-LSE kernel needs the key sequence to be the query sequence (S_kv == S), got "
                 f"S_kv={problem.kv_len}, S={problem.seq_len}; pass noncompressed_lse or implementation='xla'")
+    if problem.default_ids:
+        return None
+    ids = [validation._concrete(x) for x in (problem.segment_ids, problem.positions, problem.kv_segment_ids,
+                                              problem.kv_positions)]
+    if any(x is None for x in ids):
+        return None
+    seg, pos, kv_seg, kv_pos = ids
+    same_keys = np.array_equal(seg, kv_seg) and np.array_equal(pos, kv_pos)
+    if not same_keys or not bool(masks.window_layout_ok(jnp.asarray(seg), jnp.asarray(pos))):
+        return ("the window-LSE kernel needs every document to be one contiguous run of the sequence with strictly "
+                "increasing positions (and the key ids equal to the query ids); these ids are not; pass "
+                "noncompressed_lse or implementation='xla'")
     return None
 
 
@@ -132,7 +186,7 @@ def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig
     kv_p = common.round_up(max(problem.kv_len, s_p + key_offset), cfg.block_k)
     # Teacher side: stop_gradient before the kernels, so differentiating wrt these inputs gives exact zeros.
     q = pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, s_p)
-    kv = pad_axis(jax.lax.stop_gradient(problem.window_kv).astype(dtype), 1, kv_p)
+    kv = pad_axis(nan_filled_rows(jax.lax.stop_gradient(problem.window_kv).astype(dtype)), 1, kv_p)
     if problem.default_ids and key_offset == 0 and key_valid is None:
         qmeta = wmeta = None  # the kernel masks from iota positions
         seq_len = s
@@ -156,37 +210,53 @@ class TeacherInputs:
 
     mode: str
     q: jax.Array  # [B, S_p, H, D]
-    kv: jax.Array  # [B, N_p, D]
-    lse_in: Optional[jax.Array]  # u or F in the row layout's HBM form; None for per_head
+    kv: jax.Array  # [B, N_p, D], rows holding a non-finite value NaN-filled
+    lse_in: Optional[tuple]  # ((u or F) - sigma, sigma) in the row layout's HBM form; None for per_head
+
+
+def teacher_lse(problem: Problem) -> Optional[jax.Array]:
+    """u (joint: given, or from the window kernel) or F (full_lse), f32 [B, S, H]; None for per_head."""
+    mode = teacher_mode(problem)
+    if mode == "per_head":
+        return None
+    if mode == "full_lse":
+        return problem.full_lse
+    if problem.noncompressed_lse is not None:
+        return problem.noncompressed_lse
+    return noncompressed_lse(problem)
+
+
+def lse_blocks(stats, problem: Problem, cfg, padded_seq: int, dtype):
+    """The teacher's (stats - sigma, sigma) inputs in the row layout's HBM form, rows padded to padded_seq."""
+    if stats is None:
+        return None
+    layout = teacher_kernel.resolve_row_layout(cfg, problem.num_heads, dtype)
+    shifted, sigma = shifted_lse(jax.lax.stop_gradient(stats))
+    return tuple(layout.stats_to_hbm(pad_axis(x, 1, padded_seq)) for x in (shifted, sigma))
 
 
 def teacher_inputs(problem: Problem, layout: DenseLayout) -> TeacherInputs:
     cfg = layout.cfg
-    mode = teacher_mode(problem)
     dtype = compute_dtype(problem.q, problem.compressed_kv)
     q = pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
-    kv = pad_axis(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype), 1, layout.padded_blocks)
-    lse_in = None
-    if mode != "per_head":
-        if mode == "full_lse":
-            stats = problem.full_lse
-        elif problem.noncompressed_lse is not None:
-            stats = problem.noncompressed_lse
-        else:
-            stats = noncompressed_lse(problem)
-        stats = pad_axis(jax.lax.stop_gradient(stats).astype(jnp.float32), 1, layout.padded_seq)
-        lse_in = common.row_layout(problem.num_heads, cfg.head_chunk, cfg.block_q, dtype).stats_to_hbm(stats)
-    return TeacherInputs(mode, q, kv, lse_in)
+    kv = nan_filled_rows(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype))
+    kv = pad_axis(kv, 1, layout.padded_blocks)
+    lse_in = lse_blocks(teacher_lse(problem), problem, cfg, layout.padded_seq, dtype)
+    return TeacherInputs(teacher_mode(problem), q, kv, lse_in)
 
 
-def teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True) -> jax.Array:
-    """P, f32 [B, S_p, N_p] (padding rows/columns are zero)."""
+def teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True):
+    """P, f32 [B, S_p, N_p] (padding rows/columns are zero). normalize=False: (head sum f32 [B, S_p, N_p], the rows'
+    max head weight M f32 [B, S_p], base 2) for shards of the heads to combine (`combine_head_shards`)."""
     inputs = teacher_inputs(problem, layout)
-    target = teacher_kernel.teacher_pallas(inputs.q, inputs.kv, layout.qmeta, layout.kmeta, layout.firsts,
-                                           layout.counts, inputs.lse_in, mode=inputs.mode, cfg=layout.cfg,
-                                           scale=problem.softmax_scale, schedule=layout.schedule,
-                                           normalize=normalize, interpret=runtime.interpret_mode())
-    return jax.lax.stop_gradient(target)
+    out = teacher_kernel.teacher_pallas(inputs.q, inputs.kv, layout.qmeta, layout.kmeta, layout.firsts,
+                                        layout.counts, inputs.lse_in, mode=inputs.mode, cfg=layout.cfg,
+                                        scale=problem.softmax_scale, schedule=layout.schedule, normalize=normalize,
+                                        interpret=runtime.interpret_mode())
+    if normalize:
+        return jax.lax.stop_gradient(out)
+    head_sum, rowmax = out
+    return jax.lax.stop_gradient(head_sum), jax.lax.stop_gradient(rowmax[:, :, 0, :].reshape(problem.batch, -1))
 
 
 def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> jax.Array:
@@ -200,7 +270,7 @@ def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherC
 
 @dataclasses.dataclass(frozen=True)
 class _KLStatic:
-    schedule: common.TileSchedule
+    schedule: schedule_lib.TileSchedule
     interpret: object
     target_mask: bool = False  # sparse mode: validity read from P (-1 on empty slots) instead of qmeta/kmeta
 
@@ -231,7 +301,7 @@ def _kl_stats_bwd(static, residuals, cotangent):
 _kl_stats.defvjp(_kl_stats_fwd, _kl_stats_bwd)
 
 
-def padded_kl_rows(indexer_logits, target_padded, *, qmeta, kmeta, firsts, counts, schedule: common.TileSchedule,
+def padded_kl_rows(indexer_logits, target_padded, *, qmeta, kmeta, firsts, counts, schedule: schedule_lib.TileSchedule,
                    target_mask: bool = False):
     """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S], from the KL kernels
     on the padded target [B, S_p, W_p] (shared by dense and sparse mode)."""
@@ -258,7 +328,7 @@ class FusedStatic:
     run: Callable
     mode: str
     cfg: teacher_kernel.TeacherConfig
-    schedule: common.TileSchedule
+    schedule: schedule_lib.TileSchedule
     scale: float
     seq_len: int
     interpret: object
@@ -266,9 +336,27 @@ class FusedStatic:
     grad_scale: float = 1.0  # `fused_kl.FusedKL.grad_scale`
 
     def launch(self, emit_gradient: bool, logits, operands):
-        kl = fused_kl.FusedKL(emit_gradient=emit_gradient, seq_len=self.seq_len, chunk=self.kl_chunk,
-                              grad_scale=self.grad_scale)
-        return self.run(self, kl, logits, operands)
+        return _launch(self, emit_gradient, logits, operands)
+
+
+SECOND_ORDER_MESSAGE = (
+    "csa_pallas: second-order derivatives of the loss (grad of grad, jax.hessian) are not supported by the Pallas "
+    "kernels (their forward kernel has no derivative of its own); implementation='xla' (the pure-JAX reference) "
+    "supports them")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _launch(static: "FusedStatic", emit_gradient: bool, logits, operands):
+    kl = fused_kl.FusedKL(emit_gradient=emit_gradient, seq_len=static.seq_len, chunk=static.kl_chunk,
+                          grad_scale=static.grad_scale)
+    return static.run(static, kl, logits, operands)
+
+
+@_launch.defjvp
+def _launch_jvp(static, emit_gradient, primals, tangents):
+    # First-order gradients never differentiate the kernel (the custom_vjp backward reads G); getting here means
+    # a derivative of that backward was asked for.
+    raise NotImplementedError(SECOND_ORDER_MESSAGE)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -322,7 +410,8 @@ def fused_rows(indexer_logits, static: FusedStatic, operands, *, padded_seq: int
     """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S] from a fused
     teacher + KL kernel (shared by dense and sparse mode)."""
     b, s, _ = indexer_logits.shape
-    logits = pad_axis(pad_axis(indexer_logits, 1, padded_seq), 2, padded_width)
+    logits = pad_axis(pad_axis(indexer_logits.astype(logits_dtype(indexer_logits)), 1, padded_seq), 2,
+                      padded_width)
     stats = _fused_kl_stats(static, logits, operands)
     rows = stats[:, :, 0, :].reshape(b, -1)[:, :s]
     nonempty = jax.lax.stop_gradient(stats[:, :, 3, :].reshape(b, -1)[:, :s]) > 0
@@ -333,7 +422,8 @@ def fused_weighted_loss(indexer_logits, static: FusedStatic, operands, *, padded
                         row_weight: float):
     """row_weight * sum_t KL_t (scalar f32, differentiable wrt indexer_logits) from a fused teacher + KL kernel,
     for reductions that weigh every row by the same static number (padding rows have KL 0)."""
-    logits = pad_axis(pad_axis(indexer_logits, 1, padded_seq), 2, padded_width)
+    logits = pad_axis(pad_axis(indexer_logits.astype(logits_dtype(indexer_logits)), 1, padded_seq), 2,
+                      padded_width)
     return _fused_weighted_loss(dataclasses.replace(static, grad_scale=row_weight), logits, operands)
 
 
@@ -346,7 +436,7 @@ def _run_dense(static: FusedStatic, kl, logits, operands):
 
 def _dense_fused(inputs: TeacherInputs, layout: DenseLayout, problem: Problem, kl_chunk: int):
     static = FusedStatic(_run_dense, inputs.mode, layout.cfg, layout.schedule, problem.softmax_scale,
-                         problem.seq_len, runtime.interpret_mode(), kl_chunk)
+                         problem.seq_len, runtime.interpret_mode(), layout.cfg.kl_chunk or kl_chunk)
     operands = (inputs.q, inputs.kv, inputs.lse_in, layout.qmeta, layout.kmeta, layout.firsts, layout.counts)
     return static, operands, dict(padded_seq=layout.padded_seq, padded_width=layout.padded_blocks)
 
@@ -412,14 +502,23 @@ def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "
     """Dense-mode loss through the fused teacher + KL kernel; same contract as `reference.indexer_distill_loss`."""
     return loss_through_kernels(
         indexer_logits, problem,
-        make_layout=lambda pr: dense_layout(pr, cfg, kl_logits_dtype=indexer_logits.dtype),
+        make_layout=lambda pr: dense_layout(pr, cfg, kl_logits_dtype=logits_dtype(indexer_logits)),
         make_target=teacher_inputs,
         make_kl_rows=lambda logits, inputs, layout: fused_kl_rows(logits, inputs, layout, problem),
         reduction=reduction, scale=scale,
         make_weighted_loss=lambda logits, inputs, layout, w: fused_kl_loss(logits, inputs, layout, problem, w),
-        static_nonempty_rows=lambda layout: default_ids_nonempty_rows(problem) if layout.schedule.causal else None)
+        static_nonempty_rows=lambda layout: static_nonempty_rows(problem) if layout.schedule.causal else None)
 
 
 def default_ids_nonempty_rows(problem: Problem) -> int:
     """Default ids (one document, positions 0..S-1, S_kv == S): row t sees a block once t >= m - 1."""
     return problem.batch * max(problem.seq_len - problem.compress_ratio + 1, 0)
+
+
+def static_nonempty_rows(problem: Problem) -> Optional[int]:
+    """The number of non-empty rows when it is known before the kernel runs (default ids), else None. A row whose
+    every head has a_h = -inf is empty too (SPEC §3): with window keys that needs every sink at +inf, which empties
+    every row at once (the loss is then 0 however it is divided), but a given u or F can do it to single rows."""
+    if problem.noncompressed_lse is not None or problem.full_lse is not None:
+        return None
+    return default_ids_nonempty_rows(problem)

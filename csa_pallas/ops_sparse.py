@@ -27,6 +27,7 @@ from csa_pallas import reference
 from csa_pallas.kernels import common
 from csa_pallas.kernels import fused_kl
 from csa_pallas.kernels import runtime
+from csa_pallas.kernels import schedule as schedule_lib
 from csa_pallas.kernels import sparse_teacher
 from csa_pallas.kernels import teacher as teacher_kernel
 from csa_pallas.validation import Problem
@@ -38,7 +39,7 @@ MAX_KL_LANES = 2048
 @dataclasses.dataclass(frozen=True)
 class SparseLayout:
     cfg: teacher_kernel.TeacherConfig
-    schedule: common.TileSchedule
+    schedule: schedule_lib.TileSchedule
     qmeta: jax.Array  # int32 [B, S_p, 128]
     kmeta: jax.Array  # int32 [B, 8, N_p]
     tiles: jax.Array  # int32 [B*nq] first kv tile of each query tile
@@ -75,13 +76,13 @@ def sparse_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] 
     s_p = common.round_up(problem.seq_len, cfg.block_q)
     n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
     k_p = common.round_up(problem.width, common.LANES)
-    qmeta = common.query_meta(problem.segment_ids, problem.positions, s_p)
+    qmeta = common.query_meta(problem.segment_ids, ops.query_positions(problem), s_p)
     block_segment, block_end = reference.block_keys(problem)
     kmeta = common.key_meta(block_segment, block_end, n_p, masks.INVALID_BLOCK_END)
     tiles, counts = common.tile_ranges(_tile_need(problem, qmeta, kmeta, cfg, s_p, n_p))
-    schedule = common.TileSchedule(causal=problem.default_ids, nq=s_p // cfg.block_q, nk=n_p // cfg.block_k,
-                                   block_q=cfg.block_q, block_k=cfg.block_k, ratio=problem.compress_ratio,
-                                   num_blocks=problem.num_blocks)
+    schedule = schedule_lib.TileSchedule(causal=ops.causal_schedule(problem), nq=s_p // cfg.block_q,
+                                         nk=n_p // cfg.block_k, block_q=cfg.block_q, block_k=cfg.block_k,
+                                         ratio=problem.compress_ratio, num_blocks=problem.num_blocks)
     return SparseLayout(cfg=cfg, schedule=schedule, qmeta=qmeta, kmeta=kmeta, tiles=tiles, counts=counts,
                         padded_seq=s_p, padded_blocks=n_p, padded_width=k_p)
 
@@ -92,30 +93,26 @@ def teacher_inputs(problem: Problem, layout: SparseLayout):
     mode = ops.teacher_mode(problem)
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
     q = ops.pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
-    kv = ops.pad_axis(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype), 1, layout.padded_blocks)
+    kv = ops.nan_filled_rows(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype))
+    kv = ops.pad_axis(kv, 1, layout.padded_blocks)
     idx = problem.topk_indices.astype(jnp.int32)
     idx = ops.pad_axis(ops.pad_axis(idx, 1, layout.padded_seq, -1), 2, layout.padded_width, -1)
-    lse_in = None
-    if mode != "per_head":
-        if mode == "full_lse":
-            stats = problem.full_lse
-        elif problem.noncompressed_lse is not None:
-            stats = problem.noncompressed_lse
-        else:
-            stats = ops.noncompressed_lse(problem)
-        stats = ops.pad_axis(jax.lax.stop_gradient(stats).astype(jnp.float32), 1, layout.padded_seq)
-        lse_in = common.row_layout(problem.num_heads, cfg.head_chunk, cfg.block_q, dtype).stats_to_hbm(stats)
+    lse_in = ops.lse_blocks(ops.teacher_lse(problem), problem, cfg, layout.padded_seq, dtype)
     return mode, q, kv, idx, lse_in
 
 
-def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = True) -> jax.Array:
-    """P' f32 [B, S_p, K_p]: slot-order target on valid slots, -1 on empty slots (and padding)."""
+def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = True):
+    """P' f32 [B, S_p, K_p]: slot-order target on valid slots, -1 on empty slots (and padding). normalize=False:
+    (the unnormalised slot head sum, the rows' M f32 [B, S_p], base 2), see `ops.teacher_padded`."""
     mode, q, kv, idx, lse_in = teacher_inputs(problem, layout)
-    target = sparse_teacher.sparse_teacher_pallas(q, kv, layout.qmeta, layout.kmeta, idx, layout.tiles,
-                                                  layout.counts, lse_in, mode=mode, cfg=layout.cfg,
-                                                  scale=problem.softmax_scale, schedule=layout.schedule,
-                                                  normalize=normalize, interpret=runtime.interpret_mode())
-    return jax.lax.stop_gradient(target)
+    out = sparse_teacher.sparse_teacher_pallas(q, kv, layout.qmeta, layout.kmeta, idx, layout.tiles,
+                                               layout.counts, lse_in, mode=mode, cfg=layout.cfg,
+                                               scale=problem.softmax_scale, schedule=layout.schedule,
+                                               normalize=normalize, interpret=runtime.interpret_mode())
+    if normalize:
+        return jax.lax.stop_gradient(out)
+    head_sum, rowmax = out
+    return jax.lax.stop_gradient(head_sum), jax.lax.stop_gradient(rowmax[:, :, 0, :].reshape(problem.batch, -1))
 
 
 def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> jax.Array:
@@ -130,8 +127,8 @@ def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherC
 def _kl_schedule(batch: int, s_p: int, k_p: int, block_q: int):
     bk = k_p if k_p <= MAX_KL_LANES else common.LANES
     nq, nk = s_p // block_q, k_p // bk
-    schedule = common.TileSchedule(causal=False, nq=nq, nk=nk, block_q=block_q, block_k=bk, ratio=1,
-                                   num_blocks=k_p)
+    schedule = schedule_lib.TileSchedule(causal=False, nq=nq, nk=nk, block_q=block_q, block_k=bk, ratio=1,
+                                         num_blocks=k_p)
     firsts = jnp.zeros((batch * nq,), jnp.int32)  # every query tile visits every slot tile
     counts = jnp.full((batch * nq,), nk, jnp.int32)
     return schedule, firsts, counts
@@ -158,7 +155,7 @@ def fused_kl_rows(indexer_logits, problem: Problem, layout: SparseLayout,
     fused KL (P stays in VMEM; V(t) = the row's valid slots)."""
     mode, q, kv, idx, lse_in = teacher_inputs(problem, layout)
     static = ops.FusedStatic(_run_sparse, mode, layout.cfg, layout.schedule, problem.softmax_scale,
-                             problem.seq_len, runtime.interpret_mode(), kl_chunk)
+                             problem.seq_len, runtime.interpret_mode(), layout.cfg.kl_chunk or kl_chunk)
     operands = (q, kv, idx, lse_in, layout.qmeta, layout.kmeta, layout.tiles, layout.counts)
     return ops.fused_rows(indexer_logits, static, operands, padded_seq=layout.padded_seq,
                           padded_width=layout.padded_width)
@@ -170,7 +167,7 @@ def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "
     `reference.indexer_distill_loss`."""
     return ops.loss_through_kernels(
         indexer_logits, problem,
-        make_layout=lambda pr: sparse_layout(pr, cfg, kl_logits_dtype=indexer_logits.dtype),
+        make_layout=lambda pr: sparse_layout(pr, cfg, kl_logits_dtype=ops.logits_dtype(indexer_logits)),
         make_target=lambda pr, layout: pr,
         make_kl_rows=lambda logits, pr, layout: fused_kl_rows(logits, pr, layout), reduction=reduction,
         scale=scale)

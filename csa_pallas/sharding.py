@@ -219,9 +219,9 @@ def _local_problem(local: dict, problem: Problem, axes: MeshAxes, num_seq_shards
         segment_ids=ids["segment_ids"], positions=ids["positions"], kv_segment_ids=ids["kv_segment_ids"],
         kv_positions=ids["kv_positions"])
     return validation.validate(
-        local["q"], local["compressed_kv"], topk_indices=local.get("topk_indices"), compress_ratio=problem.compress_ratio,
-        window_size=problem.window_size, softmax_scale=problem.softmax_scale, target=problem.target,
-        head_chunk=problem.head_chunk, implementation="pallas", **stats, **id_args)
+        local["q"], local["compressed_kv"], topk_indices=local.get("topk_indices"), loss_mask=local.get("loss_mask"),
+        compress_ratio=problem.compress_ratio, window_size=problem.window_size, softmax_scale=problem.softmax_scale,
+        target=problem.target, head_chunk=problem.head_chunk, implementation="pallas", **stats, **id_args)
 
 
 def _kl_rows_problem(shard: Problem, axes: MeshAxes, num_head_shards: int) -> Problem:
@@ -233,8 +233,8 @@ def _kl_rows_problem(shard: Problem, axes: MeshAxes, num_head_shards: int) -> Pr
     return validation.validate(
         take(shard.q), shard.compressed_kv, topk_indices=take(shard.topk_indices), segment_ids=take(shard.segment_ids),
         positions=take(shard.positions), kv_segment_ids=shard.kv_segment_ids, kv_positions=shard.kv_positions,
-        compress_ratio=shard.compress_ratio, window_size=shard.window_size, softmax_scale=shard.softmax_scale,
-        target="per_head", head_chunk=shard.head_chunk, implementation="pallas")
+        loss_mask=take(shard.loss_mask), compress_ratio=shard.compress_ratio, window_size=shard.window_size,
+        softmax_scale=shard.softmax_scale, target="per_head", head_chunk=shard.head_chunk, implementation="pallas")
 
 
 def _layout(path, problem: Problem):
@@ -253,7 +253,14 @@ def _local_target(local: dict, problem: Problem, axes: MeshAxes, num_seq_shards:
     layout = _layout(path, shard)
     if axes.heads is None:
         return path.teacher_padded(shard, layout), layout, path, shard
-    head_sum = path.teacher_padded(shard, layout, normalize=False)[:, :shard.seq_len, :shard.width]
+    head_sum, rowmax = path.teacher_padded(shard, layout, normalize=False)
+    head_sum, rowmax = head_sum[:, :shard.seq_len, :shard.width], rowmax[:, :shard.seq_len]
+    # Each shard's sums are relative to its own row max M of the head weights (`kernels.rebase`): rescale them to
+    # the max over all head shards before adding (a [B, S] collective), so nothing underflows whatever u - C is.
+    top = lax.pmax(rowmax, axes.heads)
+    factor = jnp.where(top == -jnp.inf, 1.0, jnp.exp2(rowmax - top))[..., None]
+    valid = head_sum >= 0.0 if shard.sparse else True  # sparse: negative entries mark empty slots
+    head_sum = jnp.where(valid, head_sum * factor, head_sum)
     mine = lax.psum_scatter(head_sum, axes.heads, scatter_dimension=1, tiled=True)
     rows_problem = _kl_rows_problem(shard, axes, num_head_shards)
     kl_layout = _layout(path, rows_problem)
@@ -273,6 +280,8 @@ def _shard_inputs(problem: Problem, axes: MeshAxes, indexer_logits=None):
         arrays["logits"], specs["logits"] = indexer_logits, axes.kl_spec()
     if problem.topk_indices is not None:
         arrays["topk_indices"], specs["topk_indices"] = problem.topk_indices, axes.row_vectors_spec()
+    if problem.loss_mask is not None:
+        arrays["loss_mask"], specs["loss_mask"] = problem.loss_mask, axes.rows_spec()
     for name in ("noncompressed_lse", "full_lse"):
         if getattr(problem, name) is not None:
             arrays[name], specs[name] = getattr(problem, name), axes.head_stats_spec()
@@ -321,6 +330,7 @@ def sharded_indexer_distill_loss(
     positions=None,
     kv_segment_ids=None,
     kv_positions=None,
+    loss_mask=None,
     compress_ratio: int = 4,
     window_size: int = 128,
     softmax_scale: Optional[float] = None,
@@ -346,7 +356,8 @@ def sharded_indexer_distill_loss(
     problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, arguments)
     validation.validate_logits(indexer_logits, problem)
     validation.check_reduction_args(reduction, scale)
-    if not _uses_pallas(problem) or problem.num_blocks == 0:
+    if (not _uses_pallas(problem) or validation.switched_off(scale)
+            or api.empty_result(problem, reduction) is not None):
         return api.indexer_distill_loss(indexer_logits, q, compressed_kv, **_public_kwargs(arguments),
                                         reduction=reduction, scale=scale)
     num_seq_shards, num_head_shards = _axis_size(mesh, seq_axis), _axis_size(mesh, head_axis)
@@ -387,6 +398,7 @@ def sharded_teacher_distribution(
     positions=None,
     kv_segment_ids=None,
     kv_positions=None,
+    loss_mask=None,
     compress_ratio: int = 4,
     window_size: int = 128,
     softmax_scale: Optional[float] = None,
@@ -398,7 +410,7 @@ def sharded_teacher_distribution(
     sharded over batch and over rows by (seq_axis, head_axis)."""
     arguments = dict(locals())
     problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, arguments)
-    if not _uses_pallas(problem) or problem.num_blocks == 0:
+    if not _uses_pallas(problem) or not (problem.batch and problem.seq_len and problem.num_blocks):
         return api.teacher_distribution(q, compressed_kv, **_public_kwargs(arguments))
     num_seq_shards, num_head_shards = _axis_size(mesh, seq_axis), _axis_size(mesh, head_axis)
     arrays, specs = _shard_inputs(problem, axes)

@@ -18,6 +18,7 @@ TARGETS = ("joint", "per_head")
 REDUCTIONS = ("mean", "mean_all", "sum", "none")
 IMPLEMENTATIONS = (None, "xla", "pallas")
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+INT32 = np.iinfo(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Problem:
     sinks: Optional[jax.Array]  # [H]
     noncompressed_lse: Optional[jax.Array]  # [B, S, H]
     full_lse: Optional[jax.Array]  # [B, S, H]
+    loss_mask: Optional[jax.Array]  # [B, S] bool, False = the row takes no part in the loss; None = all True
     compress_ratio: int
     window_size: int
     softmax_scale: float
@@ -85,17 +87,63 @@ def _dtype(x):
     return jnp.asarray(x).dtype if not hasattr(x, "dtype") else jnp.dtype(x.dtype)
 
 
+def _check_array(name: str, x) -> None:
+    """Arrays only: a Python list or scalar would otherwise fail deep inside with an AttributeError."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name}: expected an array (jax.Array or numpy.ndarray), got {type(x).__name__}")
+
+
+def _concrete(x) -> Optional[np.ndarray]:
+    """The values of x when they are known at trace time (a NumPy array or a non-traced jax array), else None."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        try:
+            return np.asarray(x)
+        except Exception:  # e.g. a non-addressable sharded array
+            return None
+    return None
+
+
 def _check_float(name: str, x) -> None:
+    _check_array(name, x)
     dt = _dtype(x)
     if dt not in FLOAT_DTYPES:
         raise TypeError(f"{name}: expected a floating dtype in (float32, bfloat16, float16), got {dt}")
 
 
 def _check_int(name: str, x) -> jax.Array:
+    """Integer ids -> int32. Values outside the int32 range are an error when they can be seen (concrete arrays)."""
+    _check_array(name, x)
     dt = _dtype(x)
     if not jnp.issubdtype(dt, jnp.integer):
-        raise TypeError(f"{name}: expected an integer dtype (int32), got {dt}")
+        raise TypeError(f"{name}: expected an integer dtype, got {dt}")
+    values = _concrete(x)
+    if values is not None and values.size and (jnp.iinfo(dt).bits > 32 or dt == jnp.uint32):
+        lo, hi = int(values.min()), int(values.max())
+        if lo < INT32.min or hi > INT32.max:
+            raise ValueError(f"{name}: values must fit in int32, got the range [{lo}, {hi}]")
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x.astype(np.int32))
     return jnp.asarray(x).astype(jnp.int32)
+
+
+def canonical_topk(name: str, x, num_blocks: int) -> jax.Array:
+    """Top-k indices of any integer dtype -> int32 with every value outside [0, N) as -1 (SPEC §2: an empty slot,
+    never wrapped or truncated onto a valid block, also beyond the int32 range)."""
+    _check_array(name, x)
+    dt = _dtype(x)
+    if not jnp.issubdtype(dt, jnp.integer):
+        raise TypeError(f"{name}: expected an integer dtype, got {dt}")
+    if isinstance(x, np.ndarray):  # exact in NumPy (an int64 array would be truncated by jnp.asarray without x64)
+        valid = (x >= 0) & (x < num_blocks)
+        return jnp.asarray(np.where(valid, x, -1).astype(np.int32))
+    x = jnp.asarray(x)
+    info = jnp.iinfo(dt)
+    valid = (x >= 0) if info.min < 0 else jnp.ones(x.shape, bool)
+    if num_blocks <= info.max:
+        valid = valid & (x < num_blocks)
+    return jnp.where(valid, jnp.where(valid, x, 0).astype(jnp.int32), -1)
 
 
 def _check_shape(name: str, x, expected: tuple, meaning: str) -> None:
@@ -123,8 +171,23 @@ def check_choice(name: str, value, choices) -> None:
 
 def check_reduction_args(reduction, scale) -> None:
     check_choice("reduction", reduction, REDUCTIONS)
-    if isinstance(scale, (bool, str)) or not (np.ndim(scale) == 0):
+    if isinstance(scale, (bool, str, list, tuple)) or not (np.ndim(scale) == 0):
         raise TypeError(f"scale: expected a scalar number, got {scale!r}")
+
+
+def static_scale(scale) -> Optional[float]:
+    """`scale` as a Python float when it is known at trace time (a Python or NumPy number), else None (traced)."""
+    if isinstance(scale, (int, float, np.number)) and not isinstance(scale, (bool, np.bool_)):
+        return float(scale)
+    if isinstance(scale, np.ndarray) and scale.ndim == 0:
+        return float(scale)
+    return None
+
+
+def switched_off(scale) -> bool:
+    """A static scale of exactly 0 (SPEC §4): the loss is an exact 0 and nothing is computed."""
+    value = static_scale(scale)
+    return value is not None and value == 0.0
 
 
 def resolve_head_chunk(head_chunk, num_heads: int) -> int:
@@ -137,6 +200,21 @@ def resolve_head_chunk(head_chunk, num_heads: int) -> int:
         raise ValueError(f"head_chunk: expected a divisor of the number of heads H={num_heads} (one of {divisors}), "
                          f"got {head_chunk}")
     return head_chunk
+
+
+def _check_q_layout(q_shape, compressed_kv_shape, compress_ratio: int, others: dict) -> None:
+    """q must be [B, S, H, D] (MaxText layout). A q passed as [B, H, S, D] would otherwise surface as an unrelated
+    mismatch (N vs S_kv // m, or missing kv ids); say what it most likely is."""
+    b, s, h, d = q_shape
+    lengths = {name: _shape(x)[1] for name, x in others.items() if x is not None and len(_shape(x)) >= 2}
+    n = compressed_kv_shape[1] if len(compressed_kv_shape) == 3 else None
+    seq_like = [name for name, length in lengths.items() if length == h and length != s]
+    if n is not None and n != s // compress_ratio and n == h // compress_ratio and h != s:
+        seq_like.append("compressed_kv (N = S // compress_ratio)")
+    if seq_like:
+        raise ValueError(f"q: expected shape [B, S, H, D] (MaxText layout: sequence before heads), got {q_shape}; "
+                         f"its dim 2 ({h}) matches the sequence length of {', '.join(seq_like)}: if q is "
+                         f"[B, H, S, D], pass jnp.swapaxes(q, 1, 2)")
 
 
 def validate(
@@ -152,6 +230,7 @@ def validate(
     positions=None,
     kv_segment_ids=None,
     kv_positions=None,
+    loss_mask=None,
     compress_ratio: int = 4,
     window_size: int = 128,
     softmax_scale: Optional[float] = None,
@@ -165,11 +244,20 @@ def validate(
     compress_ratio = _check_positive_int("compress_ratio", compress_ratio)
     window_size = _check_positive_int("window_size", window_size)
 
+    _check_array("q", q)
     _check_rank("q", q, 4, "[B, S, H, D]")
     _check_float("q", q)
     b, s, h, d = _shape(q)
+    _check_array("compressed_kv", compressed_kv)
     _check_rank("compressed_kv", compressed_kv, 3, "[B, N, D]")
     _check_float("compressed_kv", compressed_kv)
+    row_arrays = dict(window_kv=window_kv, segment_ids=segment_ids, positions=positions, loss_mask=loss_mask,
+                      topk_indices=topk_indices, noncompressed_lse=noncompressed_lse, full_lse=full_lse,
+                      kv_segment_ids=kv_segment_ids, kv_positions=kv_positions)
+    for name, x in row_arrays.items():
+        if x is not None:
+            _check_array(name, x)
+    _check_q_layout((b, s, h, d), _shape(compressed_kv), compress_ratio, row_arrays)
     if _shape(compressed_kv)[0] != b or _shape(compressed_kv)[2] != d:
         raise ValueError(f"compressed_kv: expected shape [B={b}, N, D={d}] (batch and head dim of q), "
                          f"got {_shape(compressed_kv)}")
@@ -195,6 +283,12 @@ def validate(
         positions = _check_int("positions", positions)
     else:
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    if loss_mask is not None:
+        _check_shape("loss_mask", loss_mask, (b, s), "[B, S] from q")
+        if _dtype(loss_mask) != jnp.dtype(bool):
+            raise TypeError(f"loss_mask: expected a bool array (True = the row takes part in the loss), got "
+                            f"{_dtype(loss_mask)}")
+        loss_mask = jnp.asarray(loss_mask)
 
     # Key side: S_kv comes from whichever key-side array is given, else equals S.
     kv_len = None
@@ -230,7 +324,7 @@ def validate(
         _check_rank("topk_indices", topk_indices, 3, "[B, S, K]")
         if _shape(topk_indices)[:2] != (b, s) or _shape(topk_indices)[2] < 1:
             raise ValueError(f"topk_indices: expected shape [B={b}, S={s}, K>=1], got {_shape(topk_indices)}")
-        topk_indices = _check_int("topk_indices", topk_indices)
+        topk_indices = canonical_topk("topk_indices", topk_indices, n)
 
     # Teacher denominators: which of window_kv / sinks / noncompressed_lse / full_lse may come together.
     if target == "per_head":
@@ -254,6 +348,7 @@ def validate(
         _check_shape("window_kv", window_kv, (b, kv_len, d), "[B, S_kv, D]")
         _check_float("window_kv", window_kv)
     if sinks is not None:
+        _check_array("sinks", sinks)
         _check_shape("sinks", sinks, (h,), "[H], one sink logit per head")
         _check_float("sinks", sinks)
     for name, x in (("noncompressed_lse", noncompressed_lse), ("full_lse", full_lse)):
@@ -264,8 +359,8 @@ def validate(
     return Problem(q=q, compressed_kv=compressed_kv, segment_ids=segment_ids, positions=positions,
                    kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, topk_indices=topk_indices,
                    window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse, full_lse=full_lse,
-                   compress_ratio=compress_ratio, window_size=window_size, softmax_scale=softmax_scale,
-                   target=target, head_chunk=head_chunk, implementation=implementation,
+                   loss_mask=loss_mask, compress_ratio=compress_ratio, window_size=window_size,
+                   softmax_scale=softmax_scale, target=target, head_chunk=head_chunk, implementation=implementation,
                    default_ids=default_ids and kv_len == s)
 
 
@@ -273,6 +368,7 @@ def validate_logits(indexer_logits, problem: Problem) -> None:
     """The student logits: [B, S, N] in dense mode, [B, S, K] in sparse mode, floating."""
     expected = (problem.batch, problem.seq_len, problem.width)
     meaning = "[B, S, K] like topk_indices" if problem.sparse else "[B, S, N] with N from compressed_kv"
+    _check_array("indexer_logits", indexer_logits)
     _check_rank("indexer_logits", indexer_logits, 3, meaning)
     _check_shape("indexer_logits", indexer_logits, expected, meaning)
     _check_float("indexer_logits", indexer_logits)
@@ -281,6 +377,8 @@ def validate_logits(indexer_logits, problem: Problem) -> None:
 def validate_window_args(q, window_kv, *, sinks, segment_ids, positions, kv_segment_ids, kv_positions, window_size,
                          softmax_scale, head_chunk, implementation) -> Problem:
     """Arguments of `noncompressed_lse`: same checks, with a placeholder compressed_kv of the right N."""
+    _check_array("q", q)
+    _check_array("window_kv", window_kv)
     _check_rank("q", q, 4, "[B, S, H, D]")
     _check_rank("window_kv", window_kv, 3, "[B, S_kv, D]")
     b, _, _, d = _shape(q)

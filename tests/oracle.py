@@ -1,8 +1,9 @@
 """Independent float64 NumPy oracle of csa_pallas SPEC.md (the math contract).
 
 Written directly from the definitions in SPEC.md with plain Python loops over (b, t, s, h); it imports no
-project code and no jax. Every array input may be any float dtype (incl. ml_dtypes bfloat16 / jax arrays): it is
-upcast exactly with np.asarray(x, dtype=np.float64). Integer inputs are read as int64.
+project code and no jax. Every array input may be any float dtype (incl. ml_dtypes bfloat16 / float16 / jax
+arrays): it is upcast exactly with np.asarray(x, dtype=np.float64). Integer ids are read as int64; top-k indices
+of any integer dtype are read as exact Python ints.
 
 Notation: B batch, S query length, S_kv key length, H heads, D head dim, m = compress_ratio, N compressed blocks
 (N = compressed_kv.shape[1]), K top-k width, W window size, tau softmax scale (default D**-0.5).
@@ -13,7 +14,13 @@ Conventions fixed here (see SPEC §2-§5):
   outputs are [B, S, K].
 * DUPLICATED top-k indices: the computation is purely per slot. A valid block that appears in two slots appears
   twice in C's logsumexp, twice in the student's softmax and gets a separate P entry in each slot.
-* Empty rows (V(t) = {}): P row = 0, KL row = 0, gradient 0; nothing is computed for them.
+* Empty rows (loss_mask False, V(t) = {}, or every head's a_h = -inf): P row = 0, KL row = 0, gradient 0; they
+  are not counted by "mean"; nothing they would read matters.
+* The teacher is the exact conditional of SPEC §3 (rebased: no underflow at any u - C; no floor).
+* Non-finite inputs (SPEC §3): a non-empty row reading a NaN or +-inf in q[t], compressed_kv[V(t)] or
+  window_kv[Win(t)], a NaN sink or a NaN in its given LSE row is NaN (P, KL and gradient). +-inf sinks and
+  +-inf given LSEs are limits, computed by the formula.
+* A static scale == 0 gives an exact 0 loss and gradient whatever the inputs (SPEC §4).
 * window_size=None is treated as "no upper bound" (full causal same-document window); any integer W follows SPEC
   literally, 0 <= positions[t] - kv_positions[j] < W (so W <= 0 gives an empty window).
 * target="joint" without window_kv (and without noncompressed_lse / full_lse): the window term is dropped
@@ -25,11 +32,10 @@ import math
 import numpy as np
 
 __all__ = [
-    "TINY_F32", "visible_blocks", "window_set", "noncompressed_lse", "teacher", "support", "kl_rows", "loss",
+    "visible_blocks", "window_set", "noncompressed_lse", "teacher", "support", "kl_rows", "loss",
     "loss_grad", "finite_difference_grad",
 ]
 
-TINY_F32 = float(np.finfo(np.float32).tiny)  # the normalisation floor of SPEC §3
 _NEG_INF = -math.inf
 _REDUCTIONS = ("mean", "mean_all", "sum", "none")
 
@@ -140,11 +146,21 @@ def noncompressed_lse(q, window_kv, *, sinks=None, segment_ids=None, positions=N
 _noncompressed_lse = noncompressed_lse  # the keyword below shadows the function name
 
 
+def _finite(x) -> bool:
+    return bool(np.all(np.isfinite(x)))
+
+
 def _rows(q, compressed_kv, *, topk_indices=None, window_kv=None, sinks=None, noncompressed_lse=None,
-          full_lse=None, segment_ids=None, positions=None, kv_segment_ids=None, kv_positions=None, compress_ratio=4,
-          window_size=128, softmax_scale=None, target="joint", need_p=True):
+          full_lse=None, segment_ids=None, positions=None, kv_segment_ids=None, kv_positions=None, loss_mask=None,
+          compress_ratio=4, window_size=128, softmax_scale=None, target="joint", need_p=True):
     """Shared teacher core. Returns (out_shape, rows) with rows[(b,t)] = (slot positions int array, P values)
-    for the non-empty rows only (P is None when need_p=False)."""
+    for the non-empty rows only (P is None when need_p=False).
+
+    SPEC §2-§3 literally: a row is empty when loss_mask is False, V(t) is empty, or every head has a_h = -inf; a
+    non-empty row that reads a NaN or +-inf among q[t], compressed_kv[V(t)], window_kv[Win(t)] (joint with window
+    keys), a NaN sink, or a NaN in its noncompressed_lse / full_lse row gets P = NaN on its slots.
+    P[t,s] = sum_h exp(z - C_h + a_h - M) / sum_h exp(a_h - M) with a_h = C_h - F_h, M = max_h a_h (the exact
+    conditional: every non-empty row sums to 1)."""
     if target not in ("joint", "per_head"):
         raise ValueError(f"target must be 'joint' or 'per_head', got {target!r}")
     if target == "per_head" and (full_lse is not None or noncompressed_lse is not None):
@@ -163,10 +179,13 @@ def _rows(q, compressed_kv, *, topk_indices=None, window_kv=None, sinks=None, no
         S_kv = S
     seg, pos, kv_seg, kv_pos = _resolve_ids(B, S, S_kv, segment_ids, positions, kv_segment_ids, kv_positions)
     vis = visible_blocks(seg, pos, kv_seg, kv_pos, compress_ratio, num_blocks=N)
-    topk = _i64(topk_indices)
+    mask = np.ones((B, S), bool) if loss_mask is None else np.asarray(loss_mask, bool)
+    # Any integer dtype; a value outside [0, N) (also beyond the int32 range) is an empty slot. Python ints: exact.
+    topk = None if topk_indices is None else np.asarray(topk_indices).astype(object)
     out_shape = (B, S, N) if topk is None else (B, S, topk.shape[2])
 
     F_given = u = None
+    window_keys = None
     if need_p and target == "joint":
         if full_lse is not None:
             F_given = _f64(full_lse)
@@ -176,32 +195,53 @@ def _rows(q, compressed_kv, *, topk_indices=None, window_kv=None, sinks=None, no
             u = _noncompressed_lse(q, window_kv, sinks=sinks, segment_ids=seg, positions=pos,
                                    kv_segment_ids=kv_seg, kv_positions=kv_pos, window_size=window_size,
                                    softmax_scale=tau)
+            if window_kv is not None:
+                window_keys = (_f64(window_kv), window_set(seg, pos, kv_seg, kv_pos, window_size))
+    sink_nan = sinks is not None and target == "joint" and np.any(np.isnan(_f64(sinks)))
     rows = {}
     for b in range(B):
         for t in range(S):
+            if not mask[b, t]:
+                continue  # loss_mask: the row takes no part in the loss
             if topk is None:  # dense: slot = block
                 slots = [s for s in range(N) if vis[b, t, s]]
                 blocks = slots
             else:  # sparse: slot k -> block topk[b,t,k]; invalid slots are never read
-                slots = [k for k in range(topk.shape[2]) if 0 <= topk[b, t, k] < N and vis[b, t, topk[b, t, k]]]
+                slots = [k for k in range(topk.shape[2]) if 0 <= int(topk[b, t, k]) < N and vis[b, t, int(topk[b, t, k])]]
                 blocks = [int(topk[b, t, k]) for k in slots]
             if not slots:
                 continue  # empty row
             if not need_p:
                 rows[(b, t)] = (np.asarray(slots, np.int64), None)
                 continue
-            mass = np.zeros(len(slots))  # sum_h pi_h[t, slot]
+            reads = [q[b, t], c[b, blocks]]
+            if window_keys is not None:
+                reads.append(window_keys[0][b, window_keys[1][b, t]])
+            if F_given is not None:
+                reads_nan = np.any(np.isnan(F_given[b, t]))
+            elif u is not None and window_keys is None:
+                reads_nan = np.any(np.isnan(u[b, t]))
+            else:
+                reads_nan = False
+            if not all(_finite(x) for x in reads) or reads_nan or sink_nan:
+                rows[(b, t)] = (np.asarray(slots, np.int64), np.full(len(slots), np.nan))
+                continue
+            z = np.array([[tau * float(np.dot(q[b, t, h], c[b, s])) for s in blocks] for h in range(H)])
+            C = np.array([_lse(z[h]) for h in range(H)])  # per slot: a duplicated block counts twice
+            if target == "per_head":
+                a = np.zeros(H)
+            elif F_given is not None:
+                a = C - F_given[b, t]
+            else:
+                a = C - np.logaddexp(u[b, t], C)  # u = +inf (a +inf sink): a = -inf, the head's mass is elsewhere
+            M = float(np.max(a))
+            if M == _NEG_INF:
+                continue  # every head's mass is outside the blocks: an empty row
+            weights = np.exp(a - M)  # NaN when a given F is below C by an infinite amount (F = -inf): loud
+            mass = np.zeros(len(slots))
             for h in range(H):
-                z = np.array([tau * float(np.dot(q[b, t, h], c[b, s])) for s in blocks])
-                C = _lse(z)  # per-slot: a duplicated block counts twice
-                if target == "per_head":
-                    F = C
-                elif F_given is not None:
-                    F = F_given[b, t, h]
-                else:
-                    F = float(np.logaddexp(u[b, t, h], C))
-                mass += np.exp(z - F)
-            rows[(b, t)] = (np.asarray(slots, np.int64), mass / max(float(mass.sum()), TINY_F32))
+                mass += np.exp(z[h] - C[h] + a[h] - M)
+            rows[(b, t)] = (np.asarray(slots, np.int64), mass / np.sum(weights))
     return out_shape, rows
 
 
@@ -250,7 +290,7 @@ def _kl(indexer_logits, q, compressed_kv, **kw):
     shape, rows = _rows(q, compressed_kv, **kw)
     L = np.zeros(shape[:2])
     for (b, t), (_, p, logq) in _student(indexer_logits, shape, rows).items():
-        nz = p > 0  # 0 * log 0 = 0
+        nz = p != 0  # 0 * log 0 = 0 (a NaN P is not 0: it stays)
         L[b, t] = float(np.sum(p[nz] * (np.log(p[nz]) - logq[nz])))
     return L, len(rows)
 
@@ -265,6 +305,8 @@ def loss(indexer_logits, q, compressed_kv, *, reduction="mean", scale=1.0, **kw)
     """SPEC §4 reduced loss times scale: float64 scalar, or [B, S] for reduction="none"."""
     L, n_nonempty = _kl(indexer_logits, q, compressed_kv, **kw)
     n = _divisor(reduction, L, n_nonempty)
+    if scale == 0:  # SPEC §4: a static scale of 0 switches the loss off exactly
+        return np.zeros(L.shape) if reduction == "none" else 0.0
     if reduction == "none":
         return scale * L
     return float(scale * L.sum() / n)
@@ -272,10 +314,12 @@ def loss(indexer_logits, q, compressed_kv, *, reduction="mean", scale=1.0, **kw)
 
 def loss_grad(indexer_logits, q, compressed_kv, *, reduction="mean", scale=1.0, cotangent=1.0, **kw):
     """SPEC §5 analytic gradient wrt indexer_logits (same shape): scale*g*(Q - P)/n on V(t) of non-empty rows,
-    exactly 0 elsewhere. For reduction="none" the cotangent is a [B,S] array g[t] and n = 1.
-    (This equals the true derivative of the loss when the P row sums to 1, i.e. unless the tiny floor is active.)"""
+    exactly 0 elsewhere. For reduction="none" the cotangent is a [B,S] array g[t] and n = 1. With the exact
+    conditional every non-empty P row sums to 1, so this is the derivative of the loss (SPEC §9.1)."""
     shape, rows = _rows(q, compressed_kv, **kw)
     n = _divisor(reduction, np.zeros(shape[:2]), len(rows))
+    if scale == 0:
+        return np.zeros(shape)
     g = np.broadcast_to(_f64(cotangent), shape[:2]) if reduction == "none" else np.full(shape[:2], float(cotangent))
     G = np.zeros(shape)
     for (b, t), (slots, p, logq) in _student(indexer_logits, shape, rows).items():

@@ -10,6 +10,7 @@ Conventions (splash-attention style, adapted):
     identity-mask reduction (O(block_q^2) VPU work, once per grid step), which lowers on Mosaic for any block_q.
   * Integer division in index maps uses lax.div / lax.rem: jnp's `//` lowers through `sign`, which asks for the
     TPU generation at trace time and fails on a CPU host.
+  * Tile walks (which kv tiles a grid step visits) live in `schedule`.
 """
 
 from __future__ import annotations
@@ -133,67 +134,18 @@ class RowLayout:
     def column_to_block(self, col):
         return column_to_rows(col.reshape(self.rows, 1), self.view[0])
 
+    def per_query_max(self, col):
+        """A per-(query, head) column [*view, 1] -> its max over the chunk's heads, per query: [bq, 1]."""
+        return jnp.max(col, axis=self.head_axis).reshape(self.block_q, 1)
+
+    def query_to_view(self, x):
+        """A per-query array [bq, n] -> broadcastable against [*view, n]."""
+        return x[:, None, :] if self.token_major else x[None]
+
 
 def row_layout(num_heads: int, head_chunk: int, block_q: int, dtype) -> RowLayout:
     token_major = head_group(num_heads, head_chunk, dtype) == head_chunk and head_chunk % sublane_multiple(dtype) == 0
     return RowLayout(block_q, head_chunk, token_major)
-
-
-@dataclasses.dataclass(frozen=True)
-class TileSchedule:
-    """Which kv tiles query tile qi visits, and in which order.
-
-    causal: default ids (one document, positions 0..S-1, S_kv == S): the visible blocks of tile qi are a static
-    prefix computed from the grid indices, so the compiler (and static estimators) see the loop bounds. Otherwise
-    per-query-tile ranges (`tile_ranges`) passed by scalar prefetch decide, splash style.
-    """
-
-    causal: bool
-    nq: int
-    nk: int
-    block_q: int
-    block_k: int
-    ratio: int
-    num_blocks: int
-
-    def last_block(self, qi):
-        """Causal schedule: the last block the last query of tile qi sees (-1: none)."""
-        return jnp.minimum(index_div(qi * self.block_q + self.block_q, self.ratio) - 1, self.num_blocks - 1)
-
-    def count(self, counts_ref, b, qi):
-        if not self.causal:
-            return counts_ref[b * self.nq + qi]
-        last_block = self.last_block(qi)
-        return jnp.where(last_block >= 0, index_div(jnp.maximum(last_block, 0), self.block_k) + 1, 0)
-
-    def full(self, qi, tile):
-        """True when every query of tile qi sees every block of kv tile `tile` (causal schedule only): the mask
-        can be skipped. Tiles holding padding blocks are never full."""
-        if not self.causal:
-            return False
-        last_block = tile * self.block_k + self.block_k - 1
-        return ((last_block + 1) * self.ratio - 1 <= qi * self.block_q) & (last_block < self.num_blocks)
-
-    def visible_width(self, qi, tile, chunk: int):
-        """Causal schedule: lanes of kv tile `tile` holding a block some query of tile qi sees, rounded up to
-        `chunk` (a divisor of block_k). Chunks past it are invisible to the whole query tile (and padding)."""
-        seen = jnp.clip(self.last_block(qi) + 1 - tile * self.block_k, 1, self.block_k)
-        return index_div(seen + chunk - 1, chunk) * chunk
-
-    def first(self, firsts_ref, b, qi):
-        return 0 if self.causal else firsts_ref[b * self.nq + qi]
-
-    def tile(self, firsts_ref, counts_ref, b, qi, k):
-        """The k-th visited tile (padding steps repeat the last one, so nothing is re-fetched)."""
-        last = jnp.maximum(self.count(counts_ref, b, qi) - 1, 0)
-        return self.first(firsts_ref, b, qi) + jnp.minimum(k, last)
-
-    def natural(self, firsts_ref, counts_ref, b, qi, k):
-        """For a walk over every kv tile k: (tile to keep resident, whether tile k is in the visited range)."""
-        first = self.first(firsts_ref, b, qi)
-        count = self.count(counts_ref, b, qi)
-        needed = (k >= first) & (k < first + count)
-        return jnp.clip(k, first, first + jnp.maximum(count - 1, 0)), needed
 
 
 def rows_to_column(x):
@@ -219,26 +171,26 @@ def lane_chunks(x, lanes: int):
     return [x[..., j:j + lanes] for j in range(0, width, lanes)]
 
 
-def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=None, base2: bool = False,
+def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, base2: bool = False,
                       store: bool = True):
     """Per-lane running max/sum update with the scores z [..., bk] (masked entries -inf).
 
     m_ref, l_ref: f32 [..., lanes]. Keeping the statistics per lane defers the cross-lane reduction to the end of
-    the pass (`finish_lse`) instead of paying it on every tile. first: the pass's first tile; the statistics are
-    written, not updated, so they need no initialisation (their old contents are ignored). seed: with first,
-    (max, sum) [..., lanes] statistics of extra terms to start from (e.g. the window LSE in joint mode). base2:
-    z holds scores times log2(e) and the sums use exp2 (the hardware exponential: no multiply per element).
-    Returns the new (max, sum); store=False leaves them out of m_ref, l_ref (a last update consumed at once).
+    the pass (`finish_lse`, `rebase.compressed_log2_mass`) instead of paying it on every tile. first: the pass's
+    first tile; the statistics are written, not updated, so they need no initialisation (their old contents are
+    ignored). base2: z holds scores times log2(e) and the sums use exp2 (the hardware exponential: no multiply per
+    element). Returns the new (max, sum); store=False leaves them out of m_ref, l_ref (a last update consumed at
+    once). A NaN score makes its lane's statistics NaN.
     """
     exp = jnp.exp2 if base2 else jnp.exp
     chunks = lane_chunks(z, lanes)
-    if first and seed is None:
+    if first:
         m_new = jnp.full(chunks[0].shape, STAT_FLOOR, jnp.float32)
         for c in chunks:
             m_new = jnp.maximum(m_new, c)
         acc = None
     else:
-        m_old, l_old = seed if first else (m_ref[...], l_ref[...])
+        m_old, l_old = m_ref[...], l_ref[...]
         m_new = m_old
         for c in chunks:
             m_new = jnp.maximum(m_new, c)
@@ -253,21 +205,11 @@ def online_lse_update(m_ref, l_ref, z, lanes: int, *, first: bool = False, seed=
 
 
 def finish_lse(m, l):
-    """Reduce per-lane (max, sum) [..., lanes] to a log-sum-exp column [..., 1]; -inf where nothing was seen."""
+    """Reduce per-lane (max, sum) [..., lanes] to a log-sum-exp column [..., 1]; -inf where nothing was seen, NaN
+    where a NaN was."""
     row_max = jnp.max(m, axis=-1, keepdims=True)
     total = jnp.sum(l * jnp.exp(m - row_max), axis=-1, keepdims=True)
-    return jnp.where(total > 0, row_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-
-
-def finish_lse_finite(m, l, *, base2: bool = False):
-    """`finish_lse` for callers that only exponentiate against it: [..., lanes] -> [..., 1], and rows that saw
-    nothing get a finite, hugely negative value (about STAT_FLOOR) instead of -inf, so exp(z - lse) is 0 on their
-    -inf scores with no select. Rows that saw a score have total >= 1 and are unaffected by the floor. base2: the
-    statistics of `online_lse_update(..., base2=True)`; returns log2-sum-exp2."""
-    exp, log = (jnp.exp2, jnp.log2) if base2 else (jnp.exp, jnp.log)
-    row_max = jnp.max(m, axis=-1, keepdims=True)
-    total = jnp.sum(l * exp(m - row_max), axis=-1, keepdims=True)
-    return row_max + log(jnp.maximum(total, F32_TINY))
+    return jnp.where(total == 0, -jnp.inf, row_max + jnp.log(jnp.where(total == 0, 1.0, total)))
 
 
 def tile_ranges(need):
@@ -343,86 +285,19 @@ def head_group(num_heads: int, head_chunk: int, dtype) -> int:
     return num_heads
 
 
-def logaddexp(a, b):
-    """logaddexp that lowers in Mosaic and keeps -inf + -inf = -inf without NaN."""
-    hi = jnp.maximum(a, b)
-    lo = jnp.minimum(a, b)
-    safe_hi = jnp.where(hi == -jnp.inf, 0.0, hi)
-    return jnp.where(hi == -jnp.inf, -jnp.inf, safe_hi + jnp.log(1.0 + jnp.exp(lo - safe_hi)))
-
-
-def teacher_index_maps(*, nq: int, head_chunk: int, group: int, schedule: TileSchedule, step_to_k):
-    """BlockSpec index maps of the teacher kernels (dense and sparse), grid (B*nq, H/hc, steps).
-
-    step_to_k maps the pass-major step index to the position in the query tile's kv-tile walk (pass 1 and pass 2
-    walk the same tiles; a cached pass 2 keeps the last tile resident). Returns maps named q, kv, kmeta, row
-    (per-query-tile blocks such as qmeta, the output or the top-k indices) and lse (per-(head chunk, query tile)
-    statistics blocks).
-    """
-    def decode(p, step, firsts_ref, counts_ref):
-        b = index_div(p, nq)
-        qi = zigzag(index_rem(p, nq), nq)
-        return b, qi, schedule.tile(firsts_ref, counts_ref, b, qi, step_to_k(step))
-
-    def q_map(p, c, step, firsts_ref, counts_ref):
-        b, qi, _ = decode(p, step, firsts_ref, counts_ref)
-        return b, qi, index_div(c * head_chunk, group), 0
-
-    def kv_map(p, c, step, firsts_ref, counts_ref):
-        b, _, tile = decode(p, step, firsts_ref, counts_ref)
-        return b, tile, 0
-
-    def kmeta_map(p, c, step, firsts_ref, counts_ref):
-        b, _, tile = decode(p, step, firsts_ref, counts_ref)
-        return b, 0, tile
-
-    def row_map(p, c, step, firsts_ref, counts_ref):
-        b, qi, _ = decode(p, step, firsts_ref, counts_ref)
-        return b, qi, 0
-
-    def lse_map(p, c, step, firsts_ref, counts_ref):
-        b, qi, _ = decode(p, step, firsts_ref, counts_ref)
-        return b, c, qi, 0, 0
-
-    return dict(q=q_map, kv=kv_map, kmeta=kmeta_map, row=row_map, lse=lse_map)
-
-
-@dataclasses.dataclass(frozen=True)
-class TeacherStep:
-    """Where a teacher grid step is: batch b, query tile qi (zig-zag), head chunk c, pass-major step, its kv walk
-    position k and tile, whether it is in pass 1 and whether the tile is visited (active)."""
-
-    b: jax.Array
-    qi: jax.Array
-    c: jax.Array
-    step: jax.Array
-    in_pass1: object
-    k: jax.Array
-    tile: jax.Array
-    active: jax.Array
-    last_step: int
-
-
-def teacher_step(schedule: TileSchedule, firsts_ref, counts_ref, *, two_pass: bool,
-                 single_pass2: bool = False) -> TeacherStep:
-    """Decodes the program ids of the teacher kernels (grid (B*nq, H/hc, passes*nk)). single_pass2: the grid has
-    nk + 1 steps, pass 2 being the one step nk (k and tile then name the last visited tile)."""
+def scale_rows(ref, factor):
+    """ref[...] *= factor, a per-row factor replicated over 128 lanes (f32 [rows, 128]), for a ref [rows, W]
+    (W a multiple of 128, or at most 128), one 128-lane chunk at a time."""
     from jax.experimental import pallas as pl  # local: keeps this module importable without pallas users
 
-    nq, nk = schedule.nq, schedule.nk
-    p, c, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    b = index_div(p, nq)
-    qi = zigzag(index_rem(p, nq), nq)
-    if two_pass and single_pass2:
-        in_pass1 = step < nk
-        k = jnp.minimum(step, nk - 1)
-        last_step = nk
-    elif two_pass:
-        in_pass1 = step < nk
-        k = jnp.where(in_pass1, step, step - nk)
-        last_step = 2 * nk - 1
-    else:
-        in_pass1, k, last_step = False, step, nk - 1
-    return TeacherStep(b=b, qi=qi, c=c, step=step, in_pass1=in_pass1, k=k,
-                       tile=schedule.tile(firsts_ref, counts_ref, b, qi, k),
-                       active=k < schedule.count(counts_ref, b, qi), last_step=last_step)
+    width = ref.shape[-1]
+    if width <= LANES:
+        ref[...] = ref[...] * factor[:, :width]
+        return
+
+    def body(j, carry):
+        lanes = pl.ds(pl.multiple_of(j * LANES, LANES), LANES)
+        ref[:, lanes] = ref[:, lanes] * factor
+        return carry
+
+    lax.fori_loop(0, width // LANES, body, 0)

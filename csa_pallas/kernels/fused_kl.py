@@ -84,13 +84,16 @@ def kl_epilogue(kl: FusedKL, acc_ref, logits_ref, stats_ref, grad_ref, *, visibl
         return start, visible, logits, head_sum
 
     def row_scales(top, exp_sum, total, nonempty):
+        # A row whose teacher has no mass on the blocks (every head's a_h = -inf, SPEC §3) is empty; a NaN total
+        # (a non-finite input) is not 0, so such a row stays non-empty and NaN.
+        nonempty = nonempty & (total != 0)
         lse = jnp.where(nonempty, top + jnp.log(jnp.maximum(exp_sum, common.F32_TINY)), 0.0)
         inv_total = jnp.where(nonempty, 1.0 / jnp.maximum(total, common.F32_TINY), 0.0)
-        return lse, inv_total, total * inv_total  # sum P: 1, or 0 on a row whose teacher saw nothing
+        return lse, inv_total, jnp.where(nonempty, 1.0, 0.0), nonempty  # sum P: 1 on non-empty rows
 
     def kl_terms(prob, logits, lse):
-        positive = prob > 0  # implies t sees the block, so logits is finite there
-        return row_sum(jnp.where(positive, prob * (jnp.log(prob) - logits + lse), 0.0))
+        nonzero = prob != 0  # 0 log 0 = 0; prob != 0 implies t sees the block; a NaN stays
+        return row_sum(jnp.where(nonzero, prob * (jnp.log(prob) - logits + lse), 0.0))
 
     if nchunks == 1:
         _, visible, logits, head_sum = chunk_at(0)
@@ -98,7 +101,7 @@ def kl_epilogue(kl: FusedKL, acc_ref, logits_ref, stats_ref, grad_ref, *, visibl
         top = jnp.where(nonempty, row_max(logits), 0.0)
         e = jnp.exp(logits - top)  # 0 outside V(t)
         exp_sum = row_sum(e)
-        lse, inv_total, mass = row_scales(top, exp_sum, row_sum(head_sum), nonempty)
+        lse, inv_total, mass, nonempty = row_scales(top, exp_sum, row_sum(head_sum), nonempty)
         prob = head_sum * inv_total
         kl_rows = kl_terms(prob, logits, lse)
         if grad_ref is not None:
@@ -106,7 +109,9 @@ def kl_epilogue(kl: FusedKL, acc_ref, logits_ref, stats_ref, grad_ref, *, visibl
             # whenever the teacher row has mass 1); 0 outside V(t), where e and P are 0.
             q_scale = mass * kl.grad_scale / jnp.maximum(exp_sum, common.F32_TINY)
             p_part = prob if kl.grad_scale == 1.0 else head_sum * (inv_total * kl.grad_scale)
-            grad_ref[...] = (e * q_scale - p_part).astype(grad_ref.dtype)
+            # Exactly 0 outside V(t), also on a NaN row (whose P is NaN everywhere its scale reaches).
+            grad = jnp.where(visible, e * q_scale - p_part, 0.0)
+            grad_ref[...] = jnp.where(nonempty, grad, 0.0).astype(grad_ref.dtype)
     else:
         def stats_step(j, carry):
             top, exp_sum, total, count = carry
@@ -118,16 +123,17 @@ def kl_epilogue(kl: FusedKL, acc_ref, logits_ref, stats_ref, grad_ref, *, visibl
         top, exp_sum, total, count = lax.fori_loop(
             0, nchunks, stats_step, (column(common.STAT_FLOOR), column(0.0), column(0.0), column(0.0)))
         nonempty = nonempty_rows if nonempty_rows is not None else count > 0
-        lse, inv_total, mass = row_scales(top, exp_sum, total, nonempty)
+        lse, inv_total, mass, nonempty = row_scales(top, exp_sum, total, nonempty)
 
         def kl_step(j, kl_sum):
-            start, _, logits, head_sum = chunk_at(j)
+            start, visible, logits, head_sum = chunk_at(j)
             prob = head_sum * inv_total
             if grad_ref is not None:
                 grad = jnp.exp(logits - lse) * mass - prob
                 if kl.grad_scale != 1.0:
                     grad = grad * kl.grad_scale
-                grad_ref[:, pl.ds(start, width)] = grad.astype(grad_ref.dtype)
+                grad = jnp.where(visible, grad, 0.0)
+                grad_ref[:, pl.ds(start, width)] = jnp.where(nonempty, grad, 0.0).astype(grad_ref.dtype)
             return kl_sum + kl_terms(prob, logits, lse)
 
         kl_rows = lax.fori_loop(0, nchunks, kl_step, column(0.0))

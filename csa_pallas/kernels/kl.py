@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from csa_pallas.kernels import common
+from csa_pallas.kernels import schedule as schedule_lib
 
 STAT_ROWS = 8  # KL, lse, sum P, non-empty, padding to one sublane tile
 MiB = 1 << 20
@@ -55,7 +56,8 @@ def _fwd_kernel(firsts_ref, counts_ref, p_ref, i_ref, *refs, schedule, target_ma
 
     @pl.when(k < count)
     def _():
-        visible = p_ref[...] >= 0.0 if target_mask else _visible(qmeta_ref, kmeta_ref)
+        # Sparse targets mark empty slots with -1; a NaN P (a row that read a non-finite input) is visible.
+        visible = jnp.logical_not(p_ref[...] < 0.0) if target_mask else _visible(qmeta_ref, kmeta_ref)
         x = jnp.where(visible, i_ref[...].astype(jnp.float32), -jnp.inf)
         prob = jnp.where(visible, p_ref[...], 0.0)
         xs = common.lane_chunks(x, lanes)
@@ -70,7 +72,7 @@ def _fwd_kernel(firsts_ref, counts_ref, p_ref, i_ref, *refs, schedule, target_ma
         s1_acc, s3_acc, cnt_acc = s1_ref[...], s3_ref[...], cnt_ref[...]
         for xc, pc, vc in zip(xs, ps, vs):
             l_acc = l_acc + jnp.exp(xc - m_new)
-            positive = pc > 0
+            positive = pc != 0  # 0 log 0 = 0; a NaN is not 0
             a_acc = a_acc + jnp.where(positive, pc * (xc - m_new), 0.0)
             s1_acc = s1_acc + jnp.where(positive, pc * jnp.log(jnp.where(positive, pc, 1.0)), 0.0)
             s3_acc = s3_acc + pc
@@ -85,7 +87,9 @@ def _fwd_kernel(firsts_ref, counts_ref, p_ref, i_ref, *refs, schedule, target_ma
     @pl.when(k == nk - 1)
     def _():
         lse = common.finish_lse(m_ref[...], l_ref[...])  # [bq, 1]
-        nonempty = jnp.sum(cnt_ref[...], axis=1, keepdims=True) > 0
+        # A row whose target has no mass (every head's a_h = -inf) is empty; a NaN sum is not 0.
+        nonempty = (jnp.sum(cnt_ref[...], axis=1, keepdims=True) > 0) & (
+            jnp.sum(s3_ref[...], axis=1, keepdims=True) != 0)
         lse = jnp.where(nonempty, lse, 0.0)
         s3 = s3_ref[...]
         kl = jnp.sum(s1_ref[...], axis=1, keepdims=True) - jnp.sum(
@@ -97,7 +101,7 @@ def _fwd_kernel(firsts_ref, counts_ref, p_ref, i_ref, *refs, schedule, target_ma
         stats_ref[...] = common.column_to_rows(cols, STAT_ROWS)
 
 
-def kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, *, schedule: common.TileSchedule,
+def kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, *, schedule: schedule_lib.TileSchedule,
                       interpret=False, target_mask: bool = False):
     """Per-row KL and student statistics.
 
@@ -180,7 +184,7 @@ def _bwd_kernel(firsts_ref, counts_ref, p_ref, i_ref, *refs, schedule, target_ma
 
     @pl.when(needed)
     def _():
-        visible = p_ref[...] >= 0.0 if target_mask else _visible(qmeta_ref, kmeta_ref)
+        visible = jnp.logical_not(p_ref[...] < 0.0) if target_mask else _visible(qmeta_ref, kmeta_ref)
         lse, coef, psum = cols_ref[0], cols_ref[1], cols_ref[2]  # [bq, 1] each
         logits = jnp.where(visible, i_ref[...].astype(jnp.float32), 0.0)
         student = jnp.exp(logits - lse)
@@ -192,7 +196,7 @@ def _bwd_kernel(firsts_ref, counts_ref, p_ref, i_ref, *refs, schedule, target_ma
         grad_ref[...] = jnp.zeros(grad_ref.shape, grad_ref.dtype)
 
 
-def kl_backward_pallas(target, logits, qmeta, kmeta, firsts, counts, rowstats, *, schedule: common.TileSchedule,
+def kl_backward_pallas(target, logits, qmeta, kmeta, firsts, counts, rowstats, *, schedule: schedule_lib.TileSchedule,
                        interpret=False, target_mask: bool = False):
     """Gradient of sum_t coef[t] * KL[t] wrt the logits.
 

@@ -20,7 +20,7 @@ once per slot), which is exactly sum_s mult[t, s] * exp(z[t, s]):
     written exactly once per head chunk. The same gather of mult > 0 marks the slot valid.
 
 Grid (B*nq "parallel", H/hc "arbitrary", passes*nk "arbitrary"). With default ids the kv tiles of a query tile are
-the static causal prefix (`common.TileSchedule(causal=True)`, like the dense teacher), so the compiler and static
+the static causal prefix (`schedule.TileSchedule(causal=True)`, like the dense teacher), so the compiler and static
 estimators see which steps run; otherwise they come from a conservative dense-style table (segment/causal overlap,
 intersected with the range [min, max] of the tile's in-range indices), reduced to one contiguous range
 [first, first + count) per query tile (`common.tile_ranges`) and passed by scalar prefetch as two [B*nq] vectors
@@ -28,7 +28,7 @@ intersected with the range [min, max] of the tile's in-range indices), reduced t
 
 The multiplicity is K int32 compares per (query, block), more VPU work than the matmul's MXU work at the Flash
 shape, so it is laid out for the VPU: the [bq, K_p] index block is transposed once per query tile into
-[K_p/fold, fold*bq] (blocks on sublanes, queries on all 128 lanes; `slot_fold`), so each slot row is one loaded
+[K_p/fold, fold*bq] (blocks on sublanes, queries on all 128 lanes; `slot_fold_width`), so each slot row is one loaded
 row broadcast over sublanes (no cross-lane permutes), and four 8-bit counters share each int32 word (a quarter of
 the compare/select/add lanes); the [bk, 128] counts are transposed back once per tile. Query tiles that do not fold
 into 128 lanes use a row-major loop instead. The weights log(mult) are computed once per (query tile, kv tile),
@@ -56,6 +56,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from csa_pallas.kernels import common
 from csa_pallas.kernels import fused_kl
+from csa_pallas.kernels import rebase
+from csa_pallas.kernels import schedule as schedule_lib
 from csa_pallas.kernels import teacher as dense_teacher
 
 MODES = dense_teacher.MODES
@@ -104,7 +106,7 @@ def sparse_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: in
 
 def _multiplicity(idx_ref, base, *, block_q: int, block_k: int, width_p: int):
     """int32 [bq, bk]: how many slots of each row select block base + s (s < bk). Row-major fallback for query
-    tiles that do not fold into 128 lanes (`slot_fold`)."""
+    tiles that do not fold into 128 lanes (`slot_fold_width`)."""
     lane = lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1) + base
 
     def body(c, acc):
@@ -116,7 +118,7 @@ def _multiplicity(idx_ref, base, *, block_q: int, block_k: int, width_p: int):
     return lax.fori_loop(0, width_p // LANES, body, jnp.zeros((block_q, block_k), jnp.int32))
 
 
-def slot_fold(block_q: int) -> int:
+def slot_fold_width(block_q: int) -> int:
     """How many slot groups share the 128 lanes of the transposed index block (0: no transposed layout)."""
     if block_q <= LANES and LANES % block_q == 0:
         return LANES // block_q
@@ -187,29 +189,35 @@ def normalize_slots(head_sum: jax.Array) -> jax.Array:
     return jnp.where(valid, acc / jnp.maximum(total, common.F32_TINY), EMPTY_SLOT)
 
 
-def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref, *refs, mode, schedule, nh, layout,
+def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref, *refs, mode, walk, nh, layout,
             group, scale, width_p, cache_weights, cache_scores, fold, normalize,
             kl: Optional[fused_kl.FusedKL] = None):
+    schedule = walk.schedule
     refs = list(refs)
-    lse_ref = None if mode == "per_head" else refs.pop(0)
+    lse_ref = shift_ref = None
+    if mode != "per_head":
+        lse_ref, shift_ref = refs.pop(0), refs.pop(0)  # (u or F) - sigma and sigma, see `rebase`
+    rowmax_ref = None
     if kl is None:
         out_ref = refs.pop(0)  # the slot-order head sum accumulates in the resident output block
+        if not normalize:
+            rowmax_ref = refs.pop(0)
     else:
         logits_ref, stats_ref = refs.pop(0), refs.pop(0)
         grad_ref = refs.pop(0) if kl.emit_gradient else None
-    m_ref, l_ref, f_ref, valid_ref, *extra = refs
+    m_ref, l_ref, f_ref, valid_ref, seen_ref, *extra = refs
     rows_ref = None if layout.token_major else extra.pop(0)
     weight_ref = extra.pop(0) if cache_weights else None
     score_ref = extra.pop(0) if cache_scores else None
     idx_t_ref = extra.pop(0) if fold else None
     if kl is not None:
         out_ref = extra.pop(0)  # f32 [bq, K_p] accumulator in scratch: the outputs are KL stats and dI
+    top_ref = extra.pop(0) if (nh > 1 or rowmax_ref is not None) else None
     nk = schedule.nk
     bq, bk, hc = layout.block_q, schedule.block_k, layout.head_chunk
-    two_pass = mode != "full_lse"
     n_chunks = width_p // LANES
 
-    at = common.teacher_step(schedule, tiles_ref, counts_ref, two_pass=two_pass)
+    at = schedule_lib.kernel_view(walk, tiles_ref, counts_ref)
     c, step, in_pass1, k, tile, active = at.c, at.step, at.in_pass1, at.k, at.tile, at.active
     base = tile * bk
 
@@ -217,6 +225,8 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
     def _():
         out_ref[...] = jnp.zeros_like(out_ref)
         valid_ref[...] = jnp.zeros_like(valid_ref)
+        if top_ref is not None:
+            top_ref[...] = jnp.full(top_ref.shape, -jnp.inf, jnp.float32)
 
     @pl.when(step == 0)
     def _():
@@ -224,16 +234,13 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
             idx_t_ref[...] = transpose_slots(idx_ref[...], fold)
         if not layout.token_major:
             common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
-        if two_pass:
-            m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
-            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        else:
-            f = layout.block_to_column(lse_ref[...].astype(jnp.float32))
-            f_ref[...] = jnp.where(jnp.isfinite(f), f, 0.0)
+        m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        seen_ref[...] = jnp.zeros(seen_ref.shape, jnp.float32)
 
     def compute_weight():
         """log(multiplicity) of each block of the tile among the row's visible slots (-inf: not selected),
-        f32 [bq, bk]."""
+        f32 [bq, bk]. Reads the key metadata of `tile`: the walk keeps it resident wherever this runs."""
         if fold:
             mult = _multiplicity_transposed(idx_t_ref, base, block_q=bq, block_k=bk, fold=fold)
         else:
@@ -260,34 +267,50 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
     def scores():
         rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
         z = lax.dot_general(rows, kv_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return (z * scale).reshape(*layout.view, bk)
+        return (z * (scale * rebase.LOG2E)).reshape(*layout.view, bk)  # base 2
 
-    if two_pass:
-        @pl.when(in_pass1 & active)
-        def _():
-            weight = slot_weight(True if nh == 1 else c == 0)
-            z = scores() + layout.expand_mask(weight)  # sum_slots exp(z) = sum_s mult * exp(z)
-            common.online_lse_update(m_ref, l_ref, z, LANES)
-            if cache_scores:
-                score_ref[k] = z
+    @pl.when(in_pass1 & active)
+    def _():
+        weight = slot_weight(True if nh == 1 else c == 0)
+        selected = jnp.max((weight >= 0.0).astype(jnp.float32), axis=1, keepdims=True)
+        seen_ref[...] = jnp.maximum(seen_ref[...], selected)
+        # sum_slots 2^z = sum_s mult * 2^z; a block no slot selects is -inf whatever its score (even a NaN one).
+        z = jnp.where(layout.expand_mask(weight >= 0.0), scores() + layout.expand_mask(weight * rebase.LOG2E),
+                      -jnp.inf)
+        common.online_lse_update(m_ref, l_ref, z, LANES, base2=True)
+        if cache_scores:
+            score_ref[k] = z
 
-        @pl.when(step == nk - 1)
-        def _():
-            lse = common.finish_lse(m_ref[...], l_ref[...])  # C: [*view, 1]
-            if mode == "joint":
-                lse = common.logaddexp(layout.block_to_column(lse_ref[...].astype(jnp.float32)), lse)
-            f_ref[...] = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    @pl.when(step == nk - 1)
+    def _():  # the rebased finish (`rebase`): the pass-2 exponent shift G per (query, head)
+        seen = layout.query_to_view(seen_ref[...] > 0)
+        c2 = rebase.compressed_log2_mass(m_ref[...], l_ref[...], seen)
+        lse2 = shift2 = None
+        if mode != "per_head":
+            lse2 = layout.block_to_column(lse_ref[...].astype(jnp.float32)) * rebase.LOG2E
+            shift2 = layout.block_to_column(shift_ref[...].astype(jnp.float32)) * rebase.LOG2E
+        b = rebase.head_log2_mass(mode, c2, lse2, shift2)
+        top = jnp.broadcast_to(layout.per_query_max(b), (bq, LANES))
+        if top_ref is not None:
+            previous = top_ref[...] if nh > 1 else jnp.full_like(top, -jnp.inf)
+            top, factor = rebase.running_max(previous, top)
+            top_ref[...] = top
+            if nh > 1:
+                @pl.when(c > 0)
+                def _():
+                    common.scale_rows(out_ref, factor)
+        f_ref[...] = rebase.exponent_shift(c2, b, layout.query_to_view(top[:, :1]))
 
     @pl.when(jnp.logical_not(in_pass1) & active)
     def _():
-        weight = slot_weight(c == 0 if not two_pass else False)
+        weight = slot_weight(False)
         sel = weight >= 0.0  # log(mult) >= 0 where selected
-        if cache_scores:  # z + log(mult), -inf where not selected: divide the head sum by mult again
-            probs = jnp.sum(jnp.exp(score_ref[k] - f_ref[...]), axis=layout.head_axis)  # [bq, bk]
+        if cache_scores:  # z + log2(mult), -inf where not selected: divide the head sum by mult again
+            probs = jnp.sum(jnp.exp2(score_ref[k] - f_ref[...]), axis=layout.head_axis)  # [bq, bk]
             probs = jnp.where(sel, probs * jnp.exp(-jnp.where(sel, weight, 0.0)), 0.0)
         else:
             z = jnp.where(layout.expand_mask(sel), scores(), -jnp.inf)
-            probs = jnp.sum(jnp.exp(z - f_ref[...]), axis=layout.head_axis)  # [bq, bk]
+            probs = jnp.sum(jnp.exp2(z - f_ref[...]), axis=layout.head_axis)  # [bq, bk]
             probs = jnp.where(sel, probs, 0.0)
         marks = sel.astype(jnp.float32)
         src = [(probs[:, j:j + LANES], marks[:, j:j + LANES]) for j in range(0, bk, LANES)]
@@ -313,7 +336,7 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
         @pl.when((c == nh - 1) & (step == at.last_step))
         def _():
             fused_kl.kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, mask_target=True,
-                                      visible_at=lambda start, width: valid_ref[:, pl.ds(start, width)] > 0)
+                                 visible_at=lambda start, width: valid_ref[:, pl.ds(start, width)] > 0)
         return
 
     @pl.when((c == nh - 1) & (step == at.last_step))
@@ -322,11 +345,14 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
         acc = jnp.where(valid, out_ref[...], 0.0)
         if normalize:
             acc = acc / jnp.maximum(jnp.sum(acc, axis=1, keepdims=True), common.F32_TINY)
+        else:
+            rows = common.column_to_rows(top_ref[:, :1], 1)
+            rowmax_ref[...] = jnp.concatenate([rows, jnp.zeros((common.SUBLANES - 1, bq), jnp.float32)], axis=0)
         out_ref[...] = jnp.where(valid, acc, EMPTY_SLOT)
 
 
 def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mode: str,
-                          cfg: dense_teacher.TeacherConfig, scale: float, schedule: common.TileSchedule,
+                          cfg: dense_teacher.TeacherConfig, scale: float, schedule: schedule_lib.TileSchedule,
                           normalize: bool = True, kl: Optional[fused_kl.FusedKL] = None, logits=None,
                           interpret=False):
     """Runs the sparse teacher kernel on padded, prepared inputs.
@@ -335,20 +361,22 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
       q: [B, S_p, H, D] (bf16/f32), S_p a multiple of cfg.block_q.
       kv: [B, N_p, D] same dtype as q, N_p a multiple of cfg.block_k (a multiple of 128).
       qmeta: int32 [B, S_p, 128]; kmeta: int32 [B, 8, N_p] (see `common`; padding blocks invisible).
-      idx: int32 [B, S_p, K_p] raw top-k indices (K_p a multiple of 128; padding slots -1). Any value is safe.
+      idx: int32 [B, S_p, K_p] top-k indices (K_p a multiple of 128; padding slots -1). Any value is safe.
       tiles, counts: per-query-tile kv ranges from `common.tile_ranges` (firsts, counts), read by `schedule`
-        (a `common.TileSchedule`; causal=True is also correct since the kernel masks exactly).
-      lse_in: None (per_head), u (joint) or F (full_lse) in the row layout's HBM form.
-      normalize: False leaves the valid slots as the unnormalised head sum (heads sharded over devices; see
-        `normalize_slots`).
-
+        (causal=True is also correct since the kernel masks exactly).
+      lse_in: None (per_head), or ((u or F) - sigma, sigma) in the row layout's HBM form (see `teacher`).
+      normalize: False leaves the valid slots as the unnormalised head sum and also returns the rows' M (heads
+        sharded over devices; see `teacher.teacher_pallas`).
       kl, logits: the fused KL over the slots (the loss path), logits [B, S_p, K_p] (any float dtype); see
         `fused_kl.FusedKL` (V(t) = the row's valid slots).
+      cfg.cache_weights / cfg.slot_fold: the variants of `teacher.TeacherConfig` (weights cache in VMEM, up to
+        MAX_WEIGHT_CACHE_BYTES by default; transposed multiplicity).
 
     Returns:
-      f32 [B, S_p, K_p]: P in slot order on valid slots (rows sum to 1), EMPTY_SLOT (-1) on empty slots. With
-      `kl`: the KL statistics f32 [B, nq, 8, bq] and, with kl.emit_gradient, G [B, S_p, K_p] in the logits' dtype
-      (as `teacher.teacher_pallas`).
+      f32 [B, S_p, K_p]: P in slot order on valid slots (rows sum to 1; NaN on rows that read a non-finite input),
+      EMPTY_SLOT (-1) on empty slots. normalize=False: (that head sum, M f32 [B, nq, 8, bq]). With `kl`: the KL
+      statistics f32 [B, nq, 8, bq] and, with kl.emit_gradient, G [B, S_p, K_p] in the logits' dtype (as
+      `teacher.teacher_pallas`).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -360,17 +388,28 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
         raise ValueError(f"block_k ({bk}) and K_p ({k_p}) must be multiples of {LANES}")
     nq, nk, nh = s_p // bq, n_p // bk, h // hc
     group = common.head_group(h, hc, q.dtype)
-    layout = common.row_layout(h, hc, bq, q.dtype)
-    steps = 2 * nk if mode != "full_lse" else nk
-
-    cache_scores = cfg.cache_scores and mode != "full_lse"
-    if mode == "full_lse":
-        step_to_k = lambda step: step
-    elif cache_scores:  # pass 2 reads VMEM: keep the last block resident
-        step_to_k = lambda step: jnp.minimum(step, nk - 1)
-    else:
-        step_to_k = lambda step: jnp.where(step < nk, step, step - nk)
-    maps = common.teacher_index_maps(nq=nq, head_chunk=hc, group=group, schedule=schedule, step_to_k=step_to_k)
+    layout = dense_teacher.resolve_row_layout(cfg, h, q.dtype)
+    if not layout.token_major and group != hc and hc % common.sublane_multiple(q.dtype) == 0:
+        group = hc
+    if cfg.walk not in ("auto", "plain"):
+        raise ValueError(f"walk: the sparse teacher walks every query tile on its own ('plain'), got {cfg.walk!r}")
+    cache_scores = cfg.cache_scores
+    cache_weights = cfg.cache_weights
+    if cache_weights is None:
+        cache_weights = 2 * nh > 1 and bq * n_p * 4 <= MAX_WEIGHT_CACHE_BYTES
+    can_fold = slot_fold_width(bq) if bk % (COUNTER_FIELDS * common.SUBLANES) == 0 else 0
+    slot_fold = cfg.slot_fold
+    if slot_fold and not can_fold:
+        raise ValueError(f"slot_fold: the transposed multiplicity needs block_q ({bq}) to divide or be a multiple of "
+                         f"128 and block_k ({bk}) a multiple of {COUNTER_FIELDS * common.SUBLANES}")
+    fold = can_fold if slot_fold is None or slot_fold else 0
+    # Both passes walk the tiles; with cached scores pass 2 keeps the kv block resident (it reads VMEM), and the
+    # key metadata too when the slot weights are cached - otherwise pass 2 recomputes them from the metadata of the
+    # tile it walks, which must then follow the walk.
+    walk = schedule_lib.TeacherWalk(schedule, kind="plain", cached_pass2=False,
+                                    pass2_kv="resident" if cache_scores else "walk",
+                                    pass2_meta="resident" if cache_scores and cache_weights else "walk")
+    maps = walk.index_maps(head_chunk=hc, group=group)
 
     in_specs = [
         pl.BlockSpec((None, bq, group, d), maps["q"]),
@@ -381,10 +420,13 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
     ]
     operands = [q, kv, qmeta, kmeta, idx]
     if mode != "per_head":
-        in_specs.append(pl.BlockSpec((None, None, None, *layout.view), maps["lse"]))
-        operands.append(lse_in)
+        in_specs += [pl.BlockSpec((None, None, None, *layout.view), maps["lse"])] * 2
+        operands += list(lse_in)
     out_specs = pl.BlockSpec((None, bq, k_p), maps["row"])
     out_shape = jax.ShapeDtypeStruct((b, s_p, k_p), jnp.float32)
+    if kl is None and not normalize:
+        out_specs = [out_specs, pl.BlockSpec((None, None, common.SUBLANES, bq), maps["stats"])]
+        out_shape = [out_shape, jax.ShapeDtypeStruct((b, nq, common.SUBLANES, bq), jnp.float32)]
     if kl is not None:
         logits_spec, out_specs, out_shape = fused_kl.fused_kl_blocks(kl, logits, maps["row"], block_q=bq)
         in_specs.append(logits_spec)
@@ -394,30 +436,29 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
         pltpu.VMEM((*layout.view, LANES), jnp.float32),
         pltpu.VMEM((*layout.view, 1), jnp.float32),
         pltpu.VMEM((bq, k_p), jnp.float32),
+        pltpu.VMEM((bq, 1), jnp.float32),  # rows with a selected visible block
     ]
     if not layout.token_major:
         scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
-    cache_weights = (2 if mode != "full_lse" else 1) * nh > 1 and bq * n_p * 4 <= MAX_WEIGHT_CACHE_BYTES
     if cache_weights:
         scratch.append(pltpu.VMEM((nk, bq, bk), jnp.float32))
     if cache_scores:
         scratch.append(pltpu.VMEM((nk, *layout.view, bk), jnp.float32))
-    fold = slot_fold(bq) if bk % (COUNTER_FIELDS * common.SUBLANES) == 0 else 0
     if fold:
         scratch.append(pltpu.VMEM((k_p // fold, fold * bq), jnp.int32))
     if kl is not None:
         scratch.append(pltpu.VMEM((bq, k_p), jnp.float32))
-    kernel = functools.partial(_kernel, mode=mode, schedule=schedule, nh=nh, layout=layout, group=group,
+    if nh > 1 or (kl is None and not normalize):
+        scratch.append(pltpu.VMEM((bq, LANES), jnp.float32))
+    kernel = functools.partial(_kernel, mode=mode, walk=walk, nh=nh, layout=layout, group=group,
                                scale=scale, width_p=k_p, cache_weights=cache_weights, cache_scores=cache_scores,
                                fold=fold, normalize=normalize, kl=kl)
-    matmuls = 1 if mode == "full_lse" or cache_scores else 2  # the cached pass 2 re-reads pass 1's scores
-    causal_share = 2 if schedule.causal else 1  # the causal schedule visits about half of the kv tiles
     order = "tok" if layout.token_major else "head"
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(b * nq, nh, steps),
+            grid=(b * nq, nh, walk.steps),
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=scratch,
@@ -426,9 +467,10 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=cfg.vmem_limit_bytes),
-        cost_estimate=pl.CostEstimate(flops=matmuls * 2 * b * s_p * h * n_p * d // causal_share,
-                                      transcendentals=b * s_p * h * n_p // causal_share,
-                                      bytes_accessed=q.size * q.dtype.itemsize + 2 * b * s_p * k_p * 4),
+        cost_estimate=dense_teacher.cost_estimate(
+            q, kv, schedule, batch=b, head_chunk=hc, matmuls=1 if cache_scores else 2,
+            lse_inputs=0 if mode == "per_head" else 2, kl=kl, logits=logits,
+            output_bytes=0 if kl is not None else b * s_p * k_p * 4, extra_bytes=idx.size * 4),
         interpret=interpret,
         name=f"csa_sparse_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}{'_kl' if kl else ''}",
     )(tiles, counts, *operands)

@@ -32,7 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import common, fused_kl
+from csa_pallas.kernels import common, fused_kl, rebase
+from csa_pallas.kernels import schedule as schedule_lib
 
 MODES = ("per_head", "joint", "full_lse")
 MiB = 1 << 20
@@ -40,13 +41,27 @@ MiB = 1 << 20
 LOG2E = math.log2(math.e)
 
 
+WALK_CHOICES = ("auto",) + schedule_lib.WALKS
+ROW_ORDERS = (None, "token", "head")
+
+
 @dataclasses.dataclass(frozen=True)
 class TeacherConfig:
-    """Tiling of the dense teacher kernel.
+    """Tiling and variant of the dense (and sparse) teacher kernel. Every variant choice is a field: `default_config`
+    fills them from heuristics, a test or a user can force any of them (a forced variant that cannot run on the
+    problem raises ValueError naming the field when the kernel is built).
 
     block_q: queries per tile (multiple of 16). block_k: compressed blocks per kv tile (multiple of 128, or the
     whole padded N when N <= 128). head_chunk: heads per step (divisor of H). cache_scores: keep pass-1 scores in
     VMEM (one matmul instead of two) - only when they fit. vmem_limit_bytes: Mosaic scoped-VMEM limit.
+    walk: "auto", "plain", "pairs" or "merged" (`schedule.TeacherWalk`; the pair walks need the causal schedule,
+    cached scores and one head chunk). straight_pass2: None (auto: causal, cached, <= STRAIGHT_PASS2_MAX_TILES kv
+    tiles), True (a straight-line cached pass 2 per tile count; causal and cached only) or False (a loop).
+    row_order: None (auto), "token" (the q block reshaped in place; head_chunk a multiple of the sublane tile) or
+    "head" (the chunk's heads copied into head-major rows). kl_chunk: lanes per fused-KL epilogue sweep (one sweep
+    when the padded width fits; None: `fused_kl.FusedKL.chunk`). Sparse teacher only: cache_weights (the slot
+    weights kept in VMEM per (query tile, kv tile); None: when they fit and are reused) and slot_fold (the
+    transposed multiplicity; None: when the query tile folds into 128 lanes; False: the row-major loop).
     """
 
     block_q: int
@@ -54,6 +69,12 @@ class TeacherConfig:
     head_chunk: int
     cache_scores: bool
     vmem_limit_bytes: int
+    walk: str = "auto"
+    straight_pass2: Optional[bool] = None
+    row_order: Optional[str] = None
+    kl_chunk: Optional[int] = None
+    cache_weights: Optional[bool] = None
+    slot_fold: Optional[bool] = None
 
     def __post_init__(self):
         if self.block_q < 16 or self.block_q % 16:
@@ -62,6 +83,47 @@ class TeacherConfig:
             raise ValueError(f"block_k: expected a multiple of 128 (or <= 128), got {self.block_k}")
         if self.head_chunk < 1:
             raise ValueError(f"head_chunk: expected >= 1, got {self.head_chunk}")
+        if self.walk not in WALK_CHOICES:
+            raise ValueError(f"walk: expected one of {WALK_CHOICES}, got {self.walk!r}")
+        if self.row_order not in ROW_ORDERS:
+            raise ValueError(f"row_order: expected one of {ROW_ORDERS}, got {self.row_order!r}")
+        if self.straight_pass2 not in (None, True, False):
+            raise ValueError(f"straight_pass2: expected None, True or False, got {self.straight_pass2!r}")
+        if self.kl_chunk is not None and (self.kl_chunk < 128 or self.kl_chunk % 128):
+            raise ValueError(f"kl_chunk: expected None or a positive multiple of 128, got {self.kl_chunk}")
+
+
+def resolve_row_layout(cfg: TeacherConfig, num_heads: int, dtype) -> common.RowLayout:
+    """The row layout of `cfg.row_order` (auto: token-major whenever it is legal)."""
+    auto = common.row_layout(num_heads, cfg.head_chunk, cfg.block_q, dtype)
+    if cfg.row_order is None:
+        return auto
+    if cfg.row_order == "token" and not auto.token_major:
+        raise ValueError(f"row_order: 'token' needs head_chunk ({cfg.head_chunk}) to be a multiple of the sublane "
+                         f"tile ({common.sublane_multiple(dtype)}) or all {num_heads} heads")
+    return common.RowLayout(cfg.block_q, cfg.head_chunk, cfg.row_order == "token")
+
+
+def resolve_walk(cfg: TeacherConfig, schedule: schedule_lib.TileSchedule, *, cached: bool, num_chunks: int,
+                 normalize: bool) -> str:
+    """The walk of `cfg.walk` (auto: merged pairs, else pairs, else plain). The pair walks need the causal
+    schedule, cached scores and one head chunk (a chunk would revisit an output block after the other tile of the
+    pair), and a normalised or fused output (the unnormalised head sum's row max is written per output tile)."""
+    can_pair = cached and num_chunks == 1 and normalize and schedule.pairs_fit()
+    if cfg.walk == "auto":
+        return ("merged" if schedule.pairs_merge() else "pairs") if can_pair else "plain"
+    if cfg.walk != "plain" and not can_pair:
+        raise ValueError(f"walk: {cfg.walk!r} needs the causal schedule (default ids), cache_scores, one head chunk "
+                         f"and an even number of query tiles each of whose second tiles sees a block")
+    return cfg.walk
+
+
+def resolve_straight_pass2(cfg: TeacherConfig, schedule: schedule_lib.TileSchedule, cached: bool) -> bool:
+    if cfg.straight_pass2 is None:
+        return cached and schedule.causal and schedule.nk <= STRAIGHT_PASS2_MAX_TILES
+    if cfg.straight_pass2 and not (cached and schedule.causal):
+        raise ValueError("straight_pass2: True needs cached scores and the causal schedule (default ids)")
+    return cfg.straight_pass2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +162,11 @@ def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks:
     lanes = min(common.LANES, bk)
     blocks = 2 * (bq * common.round_up(g, 16) * head_dim * isz + bk * head_dim * isz + bq * common.LANES * 4
                   + common.SUBLANES * max(bk, 128) * 4 + bq * n_p * 4)
-    if mode != "per_head":
-        blocks += 2 * common.round_up(hc, 8) * max(bq, 128) * 4
-    # rows copy (head-major scratch, or the token-major reshape's materialised copy), per-lane max/sum, F (all lanes).
-    scratch = rows * head_dim * isz + 2 * rows * max(lanes, 128) * 4 + rows * 128 * 4
+    if mode != "per_head":  # (u or F) - sigma and sigma blocks
+        blocks += 2 * 2 * common.round_up(hc, 8) * max(bq, 128) * 4
+    # rows copy (head-major scratch, or the token-major reshape's materialised copy), per-lane max/sum, G (all
+    # lanes), the seen rows and the running row max.
+    scratch = rows * head_dim * isz + 2 * rows * max(lanes, 128) * 4 + rows * 128 * 4 + 2 * bq * 128 * 4
     if cfg.cache_scores:
         scratch += rows * n_p * 4
     # f32 score-sized temporaries live at once in Mosaic's allocation: scores, masked scores, exp, chunks (~5),
@@ -155,96 +218,20 @@ def normalize_rows(head_sum: jax.Array) -> jax.Array:
     return head_sum / jnp.maximum(total, common.F32_TINY)
 
 
-def _static_count(schedule: common.TileSchedule, qi: int) -> int:
-    """`TileSchedule.count` of the causal schedule for a Python int query tile."""
-    last_block = min((qi * schedule.block_q + schedule.block_q) // schedule.ratio - 1, schedule.num_blocks - 1)
-    return last_block // schedule.block_k + 1 if last_block >= 0 else 0
-
-
-def _pairs_fit(schedule: common.TileSchedule) -> bool:
-    """The pair walk needs every second tile (nq-1-i) to visit a kv tile: its pass 2 gets a step of its own."""
-    nq = schedule.nq
-    return nq % 2 == 0 and all(_static_count(schedule, nq - 1 - i) >= 1 for i in range(nq // 2))
-
-
-def _pair_merged(schedule: common.TileSchedule) -> bool:
-    """Every second tile visits >= 2 kv tiles: its pass 2 can follow its last pass-1 step in the same grid step
-    (with one tile, that step is also the first tile's pass 2, which needs the first tile's output blocks)."""
-    nq = schedule.nq
-    return all(_static_count(schedule, nq - 1 - i) >= 2 for i in range(nq // 2))
-
-
-def _pair_steps(schedule: common.TileSchedule) -> int:
-    """Grid steps per pair of query tiles (qi, nq-1-qi): both tiles' pass-1 steps, plus one for the second tile's
-    pass 2 unless `_pair_merged` (the first tile's pass 2 shares the second tile's first step). The causal counts
-    of such a pair add up to nearly the same number for every pair: no idle steps."""
-    nq = schedule.nq
-    most = max(_static_count(schedule, i) + _static_count(schedule, nq - 1 - i) for i in range(nq // 2))
-    return most if _pair_merged(schedule) else most + 1
-
-
-@dataclasses.dataclass(frozen=True)
-class _PairStep:
-    b: jax.Array
-    qi: jax.Array  # the tile of this step's pass-1 work (q, kv and lse blocks)
-    k: jax.Array  # its kv-walk position (>= count: no pass-1 work)
-    count: jax.Array
-    out_qi: jax.Array  # the tile whose output block is resident
-    pass2: jax.Array  # the step of out_qi's pass 2
-
-
-def _pair_decode(schedule: common.TileSchedule, p, step) -> _PairStep:
-    """Pair walk of grid row p, tiles qa = pair and qb = nq-1-pair (counts ca, cb): steps 0..ca-1 are qa's pass 1,
-    steps ca..ca+cb-1 qb's pass 1, step ca also qa's pass 2 (before qb's work: pass 1 overwrites the cache and F),
-    qb's pass 2 in step ca+cb-1 after its last pass-1 work (`_pair_merged`) or else in step ca+cb. Both tiles'
-    output blocks stay resident until their pass 2: pass 1 never touches them."""
-    npairs = schedule.nq // 2
-    b = common.index_div(p, npairs)
-    qa = common.index_rem(p, npairs)
-    qb = schedule.nq - 1 - qa
-    ca = schedule.count(None, b, qa)
-    cb = schedule.count(None, b, qb)
-    second = step >= ca
-    out_second = step > ca
-    return _PairStep(b=b, qi=jnp.where(second, qb, qa), k=jnp.where(second, step - ca, step),
-                     count=jnp.where(second, cb, ca), out_qi=jnp.where(out_second, qb, qa),
-                     pass2=jnp.where(out_second, ca + cb - (1 if _pair_merged(schedule) else 0), ca))
-
-
-def _pair_tile(schedule: common.TileSchedule, ps: _PairStep):
-    return schedule.tile(None, None, ps.b, ps.qi, jnp.clip(ps.k, 0, jnp.maximum(ps.count - 1, 0)))
-
-
-def _pair_index_maps(*, head_chunk: int, group: int, schedule: common.TileSchedule):
-    def q_map(p, c, step, firsts_ref, counts_ref):
-        ps = _pair_decode(schedule, p, step)
-        return ps.b, ps.qi, common.index_div(c * head_chunk, group), 0
-
-    def kv_map(p, c, step, firsts_ref, counts_ref):
-        ps = _pair_decode(schedule, p, step)
-        return ps.b, _pair_tile(schedule, ps), 0
-
-    def kmeta_map(p, c, step, firsts_ref, counts_ref):
-        ps = _pair_decode(schedule, p, step)
-        return ps.b, 0, _pair_tile(schedule, ps)
-
-    def row_map(p, c, step, firsts_ref, counts_ref):
-        ps = _pair_decode(schedule, p, step)
-        return ps.b, ps.out_qi, 0
-
-    def lse_map(p, c, step, firsts_ref, counts_ref):
-        ps = _pair_decode(schedule, p, step)
-        return ps.b, c, ps.qi, 0, 0
-
-    return dict(q=q_map, kv=kv_map, kmeta=kmeta_map, row=row_map, lse=lse_map)
-
-
-def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, cache_scores, schedule, nh,
-            layout, group, scale, normalize, pairs, kl: Optional[fused_kl.FusedKL] = None):
+def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, walk: schedule_lib.TeacherWalk,
+            nh, layout, group, scale, normalize, straight_pass2, kl: Optional[fused_kl.FusedKL] = None):
+    schedule = walk.schedule
+    cache_scores = walk.cached_pass2
+    pairs = walk.paired
     refs = list(refs)
-    lse_ref = None if mode == "per_head" else refs.pop(0)
+    lse_ref = shift_ref = None
+    if mode != "per_head":
+        lse_ref, shift_ref = refs.pop(0), refs.pop(0)  # (u or F) - sigma and sigma, see `rebase`
+    rowmax_ref = None
     if kl is None:
         out_ref = refs.pop(0)  # the head sum accumulates in the resident output block
+        if not normalize:
+            rowmax_ref = refs.pop(0)  # the rows' M (base 2): shards of the heads combine their sums with it
     else:
         logits_ref, krow_ref, stats_ref = refs.pop(0), refs.pop(0), refs.pop(0)
         grad_ref = refs.pop(0) if kl.emit_gradient else None
@@ -253,28 +240,21 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     cache_ref = extra.pop(0) if cache_scores else None
     if kl is not None:
         out_ref = extra.pop(0)  # f32 head-sum accumulator [bq, N_p] in scratch: the outputs are KL stats and dI
+    seen_ref = None if schedule.causal else extra.pop(0)  # [bq, 1]: the row saw a block (pass 1)
+    top_ref = extra.pop(0) if (nh > 1 or rowmax_ref is not None) else None  # running M [bq, 128] over chunks
     bq, bk, hc = layout.block_q, schedule.block_k, layout.head_chunk
     lanes = min(common.LANES, bk)
-    two_pass = mode != "full_lse"
+    two_pass = True  # every mode needs C (pass 1): full_lse too, for the rebased head weights
 
-    if pairs:
-        ps = _pair_decode(schedule, pl.program_id(0), pl.program_id(2))
-        active = ps.k < ps.count
-        at = common.TeacherStep(b=ps.b, qi=ps.qi, c=pl.program_id(1), step=pl.program_id(2), in_pass1=active,
-                                k=jnp.clip(ps.k, 0, jnp.maximum(ps.count - 1, 0)), tile=_pair_tile(schedule, ps),
-                                active=active, last_step=ps.pass2)
-        first_step = ps.k == 0  # of the pass-1 tile
-        out_qi = ps.out_qi
-    else:
-        at = common.teacher_step(schedule, firsts_ref, counts_ref, two_pass=two_pass, single_pass2=cache_scores)
-        first_step = at.step == 0
-        out_qi = at.qi
+    at = schedule_lib.kernel_view(walk, firsts_ref, counts_ref)
+    first_step = at.first_step
+    out_qi = at.out_qi
     qi, c, step, in_pass1, k, tile, active = at.qi, at.c, at.step, at.in_pass1, at.k, at.tile, at.active
     # With pairs (one head chunk), the first tile's last step is the second tile's first pass-1 step (k == 0).
     epilogue_in_pass1 = pairs and kl is not None
     # Merged pairs: the second tile's pass 2 (and epilogue) follow its own last pass-1 work in the same step.
     # (At its pass-2 step a merged pair's first tile is at k == 0 of the second tile's walk, the second at k > 0.)
-    merged = pairs and _pair_merged(schedule)
+    merged = walk.kind == "merged"
     own_pass2 = jnp.logical_not(first_step) if merged else False
 
     def fused_epilogue():
@@ -286,14 +266,13 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     @pl.when((step == at.last_step) if pairs else ((c == 0) & (step == 0)))
     def _():
         out_ref[...] = jnp.zeros_like(out_ref)
+        if top_ref is not None:  # a query tile that visits no kv tile keeps M = -inf
+            top_ref[...] = jnp.full(top_ref.shape, -jnp.inf, jnp.float32)
 
     @pl.when(first_step)
     def _():
         if not layout.token_major:
             common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
-        if not two_pass:
-            f = layout.block_to_column(lse_ref[...].astype(jnp.float32)) * LOG2E
-            f_ref[...] = jnp.broadcast_to(jnp.where(jnp.isfinite(f), f, 0.0), f_ref.shape)
 
     # Causal diagonal tiles are computed only up to the last 128-lane chunk the query tile can see: chunks past
     # it would be all -inf (at bk = 256, m = 4, bq = 64 this skips 1/10 of the matmul work).
@@ -301,9 +280,10 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     # The pass-1 tile's visible width, computed once up front (not re-derived inside each branch).
     pass1_width = schedule.visible_width(qi, tile, chunk) if chunk != bk else bk
 
-    def scores(masked: bool, width: int):
+    def scores(masked: bool, width: int, seen_first=None):
         """Scaled scores (base 2: times log2 e) of the step's rows against the first `width` blocks of the kv
-        tile: f32 [*view, width]."""
+        tile: f32 [*view, width]. seen_first (pass 1 with metadata masks): record which rows saw a block, starting
+        afresh (True, the tile's first kv tile) or adding to the record (False)."""
         rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
         kv = kv_ref[...] if width == bk else kv_ref[:width, :]
         z = lax.dot_general(rows, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -317,6 +297,9 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         else:
             visible = ((kmeta_ref[0:1, :width] == qmeta_ref[:, 0:1])
                        & (kmeta_ref[1:2, :width] <= qmeta_ref[:, 1:2]))  # [bq, width]
+            if seen_first is not None:  # pass 1: which rows saw a block (a -inf C is then a poisoned row)
+                seen = jnp.max(visible.astype(jnp.float32), axis=1, keepdims=True)
+                seen_ref[...] = seen if seen_first else jnp.maximum(seen_ref[...], seen)
         return jnp.where(layout.expand_mask(visible), z, -jnp.inf)
 
     def when_active(cond, body):
@@ -335,13 +318,35 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         for w in range(chunk, bk + 1, chunk):
             pl.when(partial & (width == w))(functools.partial(body, True, w))
 
+    def row_seen():
+        """bool [bq, 1]: the pass-1 tile's rows that see some block."""
+        if schedule.causal:  # block 0 is complete at t = m - 1
+            t = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+            return (t >= schedule.ratio - 1) & (schedule.num_blocks > 0)
+        return seen_ref[...] > 0
+
     def finish_f(m=None, l=None):
-        """F (base 2) from the pass-1 statistics (default: m_ref, l_ref), replicated over lanes: f32 [*view, 128],
-        also stored in f_ref."""
+        """The pass-2 exponent shift G (base 2, `rebase`) from the pass-1 statistics (default: m_ref, l_ref),
+        replicated over lanes: f32 [*view, 128], also stored in f_ref. With several head chunks, the running
+        row max M of the chunks so far is updated and the sums they accumulated are rescaled to it."""
         m = m_ref[...] if m is None else m
         l = l_ref[...] if l is None else l
-        lse = common.finish_lse_finite(m, l, base2=True)  # [*view, 1], finite (joint: u included)
-        f = jnp.broadcast_to(lse, f_ref.shape)
+        c2 = rebase.compressed_log2_mass(m, l, layout.query_to_view(row_seen()))  # [*view, 1]
+        lse2 = shift2 = None
+        if mode != "per_head":
+            lse2 = layout.block_to_column(lse_ref[...].astype(jnp.float32)) * LOG2E
+            shift2 = layout.block_to_column(shift_ref[...].astype(jnp.float32)) * LOG2E
+        b = rebase.head_log2_mass(mode, c2, lse2, shift2)
+        top = jnp.broadcast_to(layout.per_query_max(b), (bq, common.LANES))  # [bq, 128]
+        if top_ref is not None:
+            previous = top_ref[...] if nh > 1 else jnp.full_like(top, -jnp.inf)
+            top, factor = rebase.running_max(previous, top)
+            top_ref[...] = top
+            if nh > 1:
+                @pl.when(c > 0)
+                def _():
+                    common.scale_rows(out_ref, factor)
+        f = jnp.broadcast_to(rebase.exponent_shift(c2, b, layout.query_to_view(top[:, :1])), f_ref.shape)
         f_ref[...] = f
         return f
 
@@ -383,7 +388,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         widths = [bk] if chunk == bk else list(range(chunk, bk + 1, chunk))
         width = bk if chunk == bk else schedule.visible_width(out_qi, last_tile, chunk)
 
-        if schedule.causal and schedule.nk <= STRAIGHT_PASS2_MAX_TILES:
+        if straight_pass2:
             # One straight-line block per (tile count, last tile's width): the scheduler overlaps one tile's
             # exponentials with the next tile's loads, which a loop iteration boundary prevents (~10% of pass 2).
             def straight(n, w):
@@ -423,21 +428,13 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         def _():
             m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-
-        def joint_seed():
-            """Joint mode: the window LSE u enters lane 0 of the statistics as one more term, so F = LSE(u, C)
-            needs no logaddexp after the pass (and this work shares the MXU-bound first step)."""
-            u = layout.block_to_column(lse_ref[...].astype(jnp.float32)) * LOG2E  # [*view, 1], base 2
-            lane0 = lax.broadcasted_iota(jnp.int32, (*layout.view, lanes), 2) == 0
-            seen = lane0 & (u > common.STAT_FLOOR)
-            return (jnp.where(seen, u, common.STAT_FLOOR), jnp.where(seen, 1.0, 0.0))
+            if seen_ref is not None:
+                seen_ref[...] = jnp.zeros(seen_ref.shape, jnp.float32)
 
         def pass1(first, last, finalize, masked, width):
-            z = scores(masked, width)
-            seed = joint_seed() if first and mode == "joint" else None
+            z = scores(masked, width, seen_first=first if seen_ref is not None else None)
             # The last update feeds F directly: its statistics never go back to VMEM.
-            stats = common.online_lse_update(m_ref, l_ref, z, lanes, first=first, seed=seed, base2=True,
-                                             store=not last)
+            stats = common.online_lse_update(m_ref, l_ref, z, lanes, first=first, base2=True, store=not last)
             if cache_scores:
                 if width == bk:
                     cache_ref[k] = z
@@ -486,9 +483,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 start = pl.multiple_of(tile * bk + j * lanes, 128)
                 out_ref[:, pl.ds(start, lanes)] += probs
 
-    if not two_pass:
-        when_active(jnp.logical_not(in_pass1), functools.partial(pass2, False))
-    elif not cache_scores:  # F is computed in the first pass-2 step (a query tile with no visited tile needs none)
+    if not cache_scores:  # G is computed in the first pass-2 step (a query tile with no visited tile needs none)
         when_active(jnp.logical_not(in_pass1) & (k == 0), functools.partial(pass2, True))
         when_active(jnp.logical_not(in_pass1) & (k > 0), functools.partial(pass2, False))
 
@@ -503,9 +498,14 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             acc = out_ref[...]
             total = jnp.sum(acc, axis=1, keepdims=True)
             out_ref[...] = acc / jnp.maximum(total, common.F32_TINY)
+    else:  # the head sum stays unnormalised; the rows' M goes out with it
+        @pl.when((c == nh - 1) & (step == at.last_step))
+        def _():
+            rows = common.column_to_rows(top_ref[:, :1], 1)  # [1, bq]
+            rowmax_ref[...] = jnp.concatenate([rows, jnp.zeros((common.SUBLANES - 1, bq), jnp.float32)], axis=0)
 
 
-def _dense_visibility(kl: fused_kl.FusedKL, qmeta_ref, krow_ref, *, qi, schedule: common.TileSchedule):
+def _dense_visibility(kl: fused_kl.FusedKL, qmeta_ref, krow_ref, *, qi, schedule: schedule_lib.TileSchedule):
     """(visible_at(start, width) -> bool [bq, width], non-empty rows [bq, 1] or None) for the dense support V(t)."""
     bq = schedule.block_q
     if schedule.causal:  # row t sees blocks j < limit[t] (complete blocks, real rows only)
@@ -523,8 +523,8 @@ def _dense_visibility(kl: fused_kl.FusedKL, qmeta_ref, krow_ref, *, qi, schedule
 
 
 def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cfg: TeacherConfig, scale: float,
-                   schedule: common.TileSchedule, normalize: bool = True, kl: Optional[fused_kl.FusedKL] = None,
-                   logits=None, interpret=False):
+                   schedule: schedule_lib.TileSchedule, normalize: bool = True,
+                   kl: Optional[fused_kl.FusedKL] = None, logits=None, interpret=False):
     """Runs the dense teacher kernel on padded, prepared inputs.
 
     Args:
@@ -532,17 +532,19 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
       kv: [B, N_p, D] same dtype as q, N_p a multiple of cfg.block_k.
       qmeta: int32 [B, S_p, 128]; kmeta: int32 [B, 8, N_p] (see `common`).
       firsts, counts: per-query-tile kv-tile ranges from `common.tile_ranges` (ignored when schedule.causal).
-      lse_in: None (per_head), u (joint) or F (full_lse), f32 in the row layout's HBM form
-        (`common.row_layout(...).stats_to_hbm`).
+      lse_in: None (per_head), or (u - sigma, sigma) (joint) / (F - sigma, sigma) (full_lse), each f32 in the row
+        layout's HBM form (`common.row_layout(...).stats_to_hbm`); sigma is a per-row shift (`rebase`).
       mode: "per_head" | "joint" | "full_lse".
-      normalize: False returns the head sum sum_h pi_h unnormalised (heads sharded over devices: the caller sums
-        the shards' partial sums, then normalises once with `normalize_rows`).
+      normalize: False returns the head sum unnormalised and the rows' max head weight M (heads sharded over
+        devices: the caller rescales the shards' sums to a common M, adds them and normalises once).
       kl, logits: the fused KL (the loss path): logits I [B, S_p, N_p] (any float dtype, padding anything).
 
     Returns:
-      P, f32 [B, S_p, N_p], rows L1-normalised (0 outside V(t) and on empty rows). With `kl`: the KL statistics
-      f32 [B, nq, 8, bq] (row 0 KL, row 1 student lse, row 2 sum P, row 3 non-empty; 0 on empty and padding rows)
-      and, with kl.emit_gradient, G = softmax_V(I) * sum P - P in the logits' dtype [B, S_p, N_p] (0 outside V).
+      P, f32 [B, S_p, N_p], rows L1-normalised (0 outside V(t) and on empty rows, NaN on rows that read a
+      non-finite input). normalize=False: (head sum f32 [B, S_p, N_p], M f32 [B, nq, 8, bq] in row 0, base 2).
+      With `kl`: the KL statistics f32 [B, nq, 8, bq] (row 0 KL, row 1 student lse, row 2 sum P, row 3
+      non-empty; 0 on empty and padding rows) and, with kl.emit_gradient, G = softmax_V(I) * sum P - P in the
+      logits' dtype [B, S_p, N_p] (0 outside V).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -551,25 +553,16 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     nq, nk, nh = s_p // bq, n_p // bk, h // hc
     group = common.head_group(h, hc, q.dtype)
-    layout = common.row_layout(h, hc, bq, q.dtype)
-    cached = cfg.cache_scores and mode != "full_lse"
-    steps = nk if mode == "full_lse" else (nk + 1 if cached else 2 * nk)  # cached: pass 2 is one step
+    layout = resolve_row_layout(cfg, h, q.dtype)
+    if not layout.token_major and group != hc and hc % common.sublane_multiple(q.dtype) == 0:
+        group = hc  # a forced head-major copy of a legal chunk reads the chunk itself
+    cached = cfg.cache_scores
     # Causal cached single-chunk runs walk query tiles in pairs (qi, nq-1-qi), each pair with the same number of
     # steps, instead of nk + 1 steps per tile of which the early tiles leave most idle (~200 bundles each).
-    # Head chunks (nh > 1) would revisit an output block after the other tile of the pair: not paired.
-    pairs = cached and schedule.causal and nh == 1 and _pairs_fit(schedule)
-    if pairs:
-        steps = _pair_steps(schedule)
-
-    if mode == "full_lse":
-        step_to_k = lambda step: step
-    elif cached:  # pass 2 reads VMEM: keep the last block resident
-        step_to_k = lambda step: jnp.minimum(step, nk - 1)
-    else:
-        step_to_k = lambda step: jnp.where(step < nk, step, step - nk)
-    maps = common.teacher_index_maps(nq=nq, head_chunk=hc, group=group, schedule=schedule, step_to_k=step_to_k)
-    if pairs:
-        maps = _pair_index_maps(head_chunk=hc, group=group, schedule=schedule)
+    kind = resolve_walk(cfg, schedule, cached=cached, num_chunks=nh, normalize=normalize or kl is not None)
+    walk = schedule_lib.TeacherWalk(schedule, kind=kind, cached_pass2=cached or kind != "plain")
+    straight_pass2 = resolve_straight_pass2(cfg, schedule, cached)
+    maps = walk.index_maps(head_chunk=hc, group=group)
 
     in_specs = [
         pl.BlockSpec((None, bq, group, d), maps["q"]),
@@ -581,12 +574,15 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         in_specs[2:4] = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
     operands = [q, kv, qmeta, kmeta]
     if mode != "per_head":
-        in_specs.append(pl.BlockSpec((None, None, None, *layout.view), maps["lse"]))
-        operands.append(lse_in)
+        in_specs += [pl.BlockSpec((None, None, None, *layout.view), maps["lse"])] * 2
+        operands += list(lse_in)
     out_specs = pl.BlockSpec((None, bq, n_p), maps["row"])
     out_shape = jax.ShapeDtypeStruct((b, s_p, n_p), jnp.float32)
+    if kl is None and not normalize:
+        out_specs = [out_specs, pl.BlockSpec((None, None, common.SUBLANES, bq), maps["stats"])]
+        out_shape = [out_shape, jax.ShapeDtypeStruct((b, nq, common.SUBLANES, bq), jnp.float32)]
     if kl is not None:
-        batch_of = lambda p, c, step, firsts_ref, counts_ref: common.index_div(p, nq)
+        batch_of = lambda p, c, step, firsts_ref, counts_ref: common.index_div(p, walk.rows)
         krow = (pl.BlockSpec(memory_space=pl.ANY) if schedule.causal
                 else pl.BlockSpec((None, common.SUBLANES, n_p), lambda *ids: (batch_of(*ids), 0, 0)))
         logits_spec, out_specs, out_shape = fused_kl.fused_kl_blocks(kl, logits, maps["row"], block_q=bq)
@@ -596,7 +592,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     scratch = [
         pltpu.VMEM((*layout.view, lanes), jnp.float32),
         pltpu.VMEM((*layout.view, lanes), jnp.float32),
-        pltpu.VMEM((*layout.view, common.LANES), jnp.float32),  # F, replicated over lanes: no per-step broadcast
+        pltpu.VMEM((*layout.view, common.LANES), jnp.float32),  # G, replicated over lanes: no per-step broadcast
     ]
     if not layout.token_major:
         scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
@@ -604,15 +600,18 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         scratch.append(pltpu.VMEM((nk, *layout.view, bk), jnp.float32))
     if kl is not None:
         scratch.append(pltpu.VMEM((bq, n_p), jnp.float32))
-    kernel = functools.partial(_kernel, mode=mode, cache_scores=cached, schedule=schedule, nh=nh, layout=layout,
-                               group=group, scale=scale, normalize=normalize, pairs=pairs, kl=kl)
-    flops = 2 * b * s_p * h * n_p * d * (1 if cached or mode == "full_lse" else 2)
+    if not schedule.causal:
+        scratch.append(pltpu.VMEM((bq, 1), jnp.float32))  # rows that saw a block
+    if nh > 1 or (kl is None and not normalize):
+        scratch.append(pltpu.VMEM((bq, common.LANES), jnp.float32))  # running M over head chunks
+    kernel = functools.partial(_kernel, mode=mode, walk=walk, nh=nh, layout=layout, group=group, scale=scale,
+                               normalize=normalize, straight_pass2=straight_pass2, kl=kl)
     order = "tok" if layout.token_major else "head"
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(b * (nq // 2 if pairs else nq), nh, steps),
+            grid=(b * walk.rows, nh, walk.steps),
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=scratch,
@@ -621,8 +620,38 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=cfg.vmem_limit_bytes),
-        cost_estimate=pl.CostEstimate(flops=flops // 2, transcendentals=b * s_p * h * n_p,
-                                      bytes_accessed=q.size * q.dtype.itemsize + b * s_p * n_p * 4),
+        cost_estimate=cost_estimate(q, kv, schedule, batch=b, head_chunk=hc, matmuls=1 if cached else 2,
+                                    lse_inputs=0 if mode == "per_head" else 2, kl=kl, logits=logits,
+                                    output_bytes=0 if kl is not None else b * s_p * n_p * 4),
         interpret=interpret,
-        name=f"csa_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}{'_cached' if cached else ''}{'_kl' if kl else ''}",
+        name=f"csa_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}_{kind}{'_cached' if cached else ''}"
+             f"{'_kl' if kl else ''}",
     )(firsts, counts, *operands)
+
+
+def visited_tiles(schedule: schedule_lib.TileSchedule, batch: int) -> int:
+    """kv tiles the walk visits per (head chunk, pass) over the whole batch: exact for the causal schedule, all
+    nq * nk tiles (an upper bound) when the ranges come from the ids at run time."""
+    if schedule.causal:
+        return batch * sum(schedule.static_count(i) for i in range(schedule.nq))
+    return batch * schedule.nq * schedule.nk
+
+
+def cost_estimate(q, kv, schedule: schedule_lib.TileSchedule, *, batch: int, head_chunk: int, matmuls: int,
+                  lse_inputs: int, kl, logits, output_bytes: int, extra_bytes: int = 0) -> pl.CostEstimate:
+    """HBM bytes and flops of a teacher launch: q once per query tile, each visited kv tile once per (head chunk,
+    walked pass), the statistics inputs, logits in and G out (fused KL) or P out, plus extra_bytes (e.g. top-k
+    indices). Causal schedules are exact; table schedules count every tile (an upper bound)."""
+    _, s_p, h, d = q.shape
+    nh = h // head_chunk
+    tiles = visited_tiles(schedule, batch)
+    rows = schedule.block_q * h  # all chunks of a query tile
+    flops = 2 * rows * schedule.block_k * d * tiles * matmuls
+    kv_bytes = tiles * nh * matmuls * schedule.block_k * d * kv.dtype.itemsize
+    stats_bytes = lse_inputs * batch * s_p * h * 4
+    kl_bytes = 0
+    if kl is not None:
+        kl_bytes = logits.size * logits.dtype.itemsize * (2 if kl.emit_gradient else 1) + batch * s_p * 8 * 4
+    return pl.CostEstimate(flops=flops, transcendentals=rows * schedule.block_k * tiles * 2,
+                           bytes_accessed=q.size * q.dtype.itemsize + kv_bytes + stats_bytes + kl_bytes
+                           + output_bytes + extra_bytes)

@@ -173,13 +173,17 @@ def _kernel(q_ref, *refs, nq, num_kv_tiles, tiles, layout, block_k, group, windo
             row_max = jnp.max(m, axis=-1, keepdims=True)
             total = layout.column_to_block(jnp.sum(total * jnp.exp2(m - row_max), axis=-1, keepdims=True))
             m = layout.column_to_block(row_max)
-        if with_sinks:  # the sink is one more term of the sum (u = logaddexp(lse, sink)), here in base 2
-            sink = sink_ref[...] * LOG2E
-            top = jnp.maximum(m, sink)
-            total = total * jnp.exp2(m - top) + jnp.exp2(sink - top)
-            m = top
-        lse = m + jnp.log2(jnp.where(total > 0, total, 1.0))
-        out = jnp.where(total > 0, lse * LN2, -jnp.inf)
+        # An empty window is -inf; a NaN score stays NaN.
+        lse = m + jnp.log2(jnp.where(total == 0, 1.0, total))
+        out = jnp.where(total == 0, -jnp.inf, lse * LN2)
+        if with_sinks:  # u = logaddexp(lse, sink) in nats: a dominant sink comes out exactly (base 2 and back would
+            # cost ~1e-7 of its size); a +-inf sink is a limit, a NaN sink a NaN.
+            sink = sink_ref[...]
+            top = jnp.maximum(out, sink)
+            low = jnp.minimum(out, sink)
+            finite_top = jnp.where(jnp.abs(top) == jnp.inf, 0.0, top)
+            out = jnp.where(top == -jnp.inf, -jnp.inf, jnp.where(top == jnp.inf, jnp.inf,
+                                                                   top + jnp.log(1.0 + jnp.exp(low - finite_top))))
         if lane_dense:  # rows -> the [hc, bq] block of [B, H, S_p]
             out = out.reshape(bq, hc).T if layout.token_major else out.reshape(hc, bq)
         out_ref[...] = out
