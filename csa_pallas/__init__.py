@@ -6,11 +6,12 @@ Public API (SPEC.md is the math contract):
   noncompressed_lse(q, window_kv, ...)                          -> u, f32 [B, S, H]
   sharded_indexer_distill_loss(mesh, indexer_logits, q, ..., batch_axes=, head_axis=, seq_axis=)
   sharded_teacher_distribution(mesh, q, compressed_kv, ...)     -> the same under shard_map (csa_pallas.sharding)
+  check_window_layout(segment_ids, positions)                   -> opt-in checkify check of the window kernel's layout
 """
 
-from csa_pallas.api import indexer_distill_loss, noncompressed_lse, teacher_distribution
+from csa_pallas.api import check_window_layout, indexer_distill_loss, noncompressed_lse, teacher_distribution
 from csa_pallas.sharding import sharded_indexer_distill_loss, sharded_teacher_distribution
 
 __all__ = ["indexer_distill_loss", "teacher_distribution", "noncompressed_lse", "sharded_indexer_distill_loss",
-           "sharded_teacher_distribution"]
+           "sharded_teacher_distribution", "check_window_layout"]
 __version__ = "0.1.0"

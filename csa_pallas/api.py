@@ -26,6 +26,14 @@ def pallas_unsupported_reason(problem: Problem) -> Optional[str]:
     return ops.window_supported_reason(problem)
 
 
+def check_config(config, implementation: str) -> None:
+    """config selects a kernel variant: it needs the Pallas path."""
+    if config is not None and implementation != "pallas":
+        raise ValueError("config: a kernel variant was given but the call runs the XLA reference "
+                         "(implementation='xla', or a configuration the kernels do not cover); drop config or use "
+                         "implementation='pallas'")
+
+
 def empty_result(problem: Problem, reduction: str) -> Optional[jax.Array]:
     """The loss when nothing can contribute (static: B = 0, S = 0 or N = 0): exact zeros; else None."""
     if problem.batch and problem.seq_len and problem.num_blocks:
@@ -89,6 +97,7 @@ def indexer_distill_loss(
     scale=1.0,
     head_chunk: Optional[int] = None,
     implementation: Optional[str] = None,
+    config=None,
 ) -> jax.Array:
     """DeepSeek-V4 CSA lightning-indexer distillation loss KL(P || softmax_V(I)) (SPEC §3-§5).
 
@@ -113,6 +122,8 @@ def indexer_distill_loss(
         zero gradients) without computing anything.
       head_chunk: heads per VMEM tile (any divisor of H; default from the kernel config).
       implementation: None, "xla" or "pallas" (module docstring).
+      config: the teacher kernel's variant (`csa_pallas.kernels.teacher.TeacherConfig`, or a dict of its fields
+        overriding the heuristics, e.g. {"walk": "plain", "cache_scores": False}); Pallas path only.
 
     Returns:
       f32 scalar, or f32 [B, S] for reduction="none".
@@ -121,6 +132,7 @@ def indexer_distill_loss(
     validation.validate_logits(indexer_logits, problem)
     validation.check_reduction_args(reduction, scale)
     implementation = choose_implementation(problem)
+    check_config(config, implementation)
     if validation.switched_off(scale):  # SPEC §4: exact zeros, no kernel, whatever the inputs hold
         b, s = problem.batch, problem.seq_len
         return jnp.zeros((b, s), jnp.float32) if reduction == "none" else jnp.float32(0.0)
@@ -131,9 +143,10 @@ def indexer_distill_loss(
         return reference.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale)
     if problem.sparse:
         from csa_pallas import ops_sparse
-        return ops_sparse.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale)
+        return ops_sparse.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale,
+                                               cfg=config)
     from csa_pallas import ops
-    return ops.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale)
+    return ops.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale, cfg=config)
 
 
 def teacher_distribution(
@@ -156,6 +169,7 @@ def teacher_distribution(
     target: str = "joint",
     head_chunk: Optional[int] = None,
     implementation: Optional[str] = None,
+    config=None,
 ) -> jax.Array:
     """The detached target P of SPEC §3: f32 [B, S, N] (dense) or [B, S, K] (sparse, slot order).
 
@@ -164,15 +178,16 @@ def teacher_distribution(
     """
     problem = _problem(q, compressed_kv, locals())
     implementation = choose_implementation(problem)
+    check_config(config, implementation)
     if not (problem.batch and problem.seq_len and problem.num_blocks):
         return jnp.zeros((problem.batch, problem.seq_len, problem.width), jnp.float32)
     if implementation == "xla":
         return reference.teacher(problem)[0]
     if problem.sparse:
         from csa_pallas import ops_sparse
-        return ops_sparse.teacher_distribution(problem)
+        return ops_sparse.teacher_distribution(problem, config)
     from csa_pallas import ops
-    return ops.teacher_distribution(problem)
+    return ops.teacher_distribution(problem, config)
 
 
 def noncompressed_lse(

@@ -7,6 +7,7 @@ and by the wrappers that prepare kernel inputs, so both see exactly the same mas
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 # End position given to invalid blocks: no query position (an int32) is >= it, so an invalid block is never visible
 # and no separate validity flag has to travel with the block keys.
@@ -64,16 +65,17 @@ def window_visible(segment_ids, positions, kv_segment_ids, kv_positions, window_
     return same & (delta >= 0) & (delta < window_size)
 
 
-def window_layout_ok(segment_ids, positions):
+def window_layout_ok(segment_ids, positions, xp=jnp):
     """bool scalar: every segment occupies one contiguous run of the sequence and positions strictly increase inside
     it (MaxText packing). Then a window key of query t lies in the index range [t - W + 1, t], the band the
-    window-LSE kernel visits (its contract). segment_ids, positions: int [B, S]."""
+    window-LSE kernel visits (its contract). segment_ids, positions: int [B, S]; xp: jnp (traceable, e.g. under
+    checkify) or numpy (concrete ids, at trace time)."""
     same = segment_ids[:, 1:] == segment_ids[:, :-1]
-    increasing = jnp.all(jnp.where(same, positions[:, 1:] > positions[:, :-1], True))
+    increasing = xp.all(xp.where(same, positions[:, 1:] > positions[:, :-1], True))
     # A segment id that starts a second run: sort the ids of the run starts and look for equal neighbours.
-    b, s = segment_ids.shape
-    starts = jnp.concatenate([jnp.ones((b, 1), bool), ~same], axis=1)
-    ids = jnp.where(starts, segment_ids, jnp.iinfo(jnp.int32).min)
-    ordered = jnp.sort(ids, axis=1)
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != jnp.iinfo(jnp.int32).min)
-    return increasing & ~jnp.any(repeated)
+    b = segment_ids.shape[0]
+    low = np.iinfo(np.int32).min
+    starts = xp.concatenate([xp.ones((b, 1), bool), ~same], axis=1)
+    ordered = xp.sort(xp.where(starts, segment_ids, low), axis=1)
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != low)
+    return increasing & ~xp.any(repeated)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -103,6 +104,9 @@ class IndexerLossConfig:
       mesh, batch_axes, head_axis, seq_axis: run sharded (`csa_pallas.sharded_indexer_distill_loss`) on this
         jax.sharding.Mesh, batch over `batch_axes` (a tuple of names), heads over `head_axis`, the query sequence
         over `seq_axis` (e.g. MaxText's ("data", "fsdp"), "tensor", "context"). mesh=None: unsharded call.
+      padding_segment_id: a call that passes segment_ids but no loss_mask masks the rows of this segment id out of
+        the loss (loss_mask = segment_ids != padding_segment_id); None (the default) masks nothing.
+        `from_maxtext_config` sets 0, MaxText's padding id (`decoder_segment_ids == 0`); override with None.
     """
 
     compress_ratio: int = 4
@@ -118,9 +122,12 @@ class IndexerLossConfig:
     batch_axes: tuple = ()
     head_axis: Optional[str] = None
     seq_axis: Optional[str] = None
+    padding_segment_id: Optional[int] = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: canonicalise in place
+        if self.padding_segment_id is not None and not _is_int(self.padding_segment_id):
+            raise ValueError(f"padding_segment_id: expected None or an int, got {self.padding_segment_id!r}")
         set_("compress_ratio", _positive_int("compress_ratio", self.compress_ratio))
         set_("window_size", _positive_int("window_size", self.window_size))
         if self.target not in TARGETS:
@@ -159,8 +166,11 @@ class IndexerLossConfig:
           indexer_sparse_training     -> sparse_training (True: the sparse stage, calls pass topk_indices)
           mla_qk_head_chunk_size      -> head_chunk (0 -> None = all heads)
           sliding_window_size         -> window_size (must be >= 1: the CSA window branch always exists)
+        and padding_segment_id = 0: rows whose segment id is 0 (MaxText's padding) are masked out of the loss
+        when a call passes segment_ids and no loss_mask.
         A MaxText field may be absent only when its counterpart is given in `overrides`. `overrides` takes our
-        field names (compress_ratio, target, reduction, implementation, softmax_scale, ...) and wins over `cfg`.
+        field names (compress_ratio, target, reduction, implementation, softmax_scale, padding_segment_id, ...)
+        and wins over `cfg`.
         MaxText's per-layer `compress_ratios` list is not read: pass this layer's `compress_ratio` (default 4).
         """
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -182,6 +192,7 @@ class IndexerLossConfig:
                 raise ValueError(f"{mt_name}: missing from the MaxText config {type(cfg).__name__}; set it or pass "
                                  f"{ours}= as an override")
             values[ours] = _from_maxtext_value(mt_name, value)
+        values["padding_segment_id"] = 0
         values.update(overrides)
         return cls(**values)
 
@@ -217,13 +228,15 @@ def _resolve_config(config, explicit: dict) -> IndexerLossConfig:
 
 
 def _compute_loss(cfg: IndexerLossConfig, indexer_logits, q, compressed_kv, *, topk_indices, window_kv, sinks,
-                  noncompressed_lse, full_lse, segment_ids, positions, kv_segment_ids, kv_positions):
+                  noncompressed_lse, full_lse, segment_ids, positions, kv_segment_ids, kv_positions, loss_mask):
     if cfg.sparse_training is True and topk_indices is None:
         raise ValueError("topk_indices: required because sparse_training=True (MaxText indexer_sparse_training); "
                          "the sparse stage's loss is over the K selected slots")
     if cfg.sparse_training is False and topk_indices is not None:
         raise ValueError("topk_indices: given but sparse_training=False (MaxText indexer_sparse_training, the dense "
                          "warm-up computes the loss over all visible blocks); drop it or set sparse_training")
+    if loss_mask is None and cfg.padding_segment_id is not None and segment_ids is not None:
+        loss_mask = jnp.asarray(segment_ids) != cfg.padding_segment_id
     if cfg.mesh is not None:
         run = functools.partial(sharding.sharded_indexer_distill_loss, cfg.mesh, batch_axes=cfg.batch_axes,
                                 head_axis=cfg.head_axis, seq_axis=cfg.seq_axis)
@@ -232,7 +245,7 @@ def _compute_loss(cfg: IndexerLossConfig, indexer_logits, q, compressed_kv, *, t
     return run(
         indexer_logits, q, compressed_kv, topk_indices=topk_indices, window_kv=window_kv, sinks=sinks,
         noncompressed_lse=noncompressed_lse, full_lse=full_lse, segment_ids=segment_ids, positions=positions,
-        kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, compress_ratio=cfg.compress_ratio,
+        kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, loss_mask=loss_mask, compress_ratio=cfg.compress_ratio,
         window_size=cfg.window_size, softmax_scale=cfg.softmax_scale, target=cfg.target, reduction=cfg.reduction,
         scale=cfg.scale, head_chunk=cfg.head_chunk, implementation=cfg.implementation)
 
@@ -250,6 +263,7 @@ _CALL_DOC = """Computes the loss, records it (sow, name "indexer_loss") and retu
       noncompressed_lse / full_lse: f32 [B, S, H] alternatives to window_kv for the joint target (SPEC §3);
         pass at most one of window_kv, noncompressed_lse, full_lse.
       segment_ids, positions: int32 [B, S] packing; kv_segment_ids, kv_positions: int32 [B, S_kv] key side.
+      loss_mask: bool [B, S], False = the row takes no part in the loss (default: from padding_segment_id).
 
     Returns:
       f32 scalar (scale * KL), or f32 [B, S] rows for reduction="none". The same value is sown.
@@ -266,12 +280,12 @@ class CSAIndexerLoss(nnx.Module):
     def __init__(self, config=None, *, compress_ratio=_MISSING, window_size=_MISSING, target=_MISSING,
                  reduction=_MISSING, scale=_MISSING, head_chunk=_MISSING, softmax_scale=_MISSING,
                  sparse_training=_MISSING, implementation=_MISSING, mesh=_MISSING, batch_axes=_MISSING,
-                 head_axis=_MISSING, seq_axis=_MISSING):
+                 head_axis=_MISSING, seq_axis=_MISSING, padding_segment_id=_MISSING):
         explicit = {k: v for k, v in dict(
             compress_ratio=compress_ratio, window_size=window_size, target=target, reduction=reduction,
             scale=scale, head_chunk=head_chunk, softmax_scale=softmax_scale, sparse_training=sparse_training,
             implementation=implementation, mesh=mesh, batch_axes=batch_axes, head_axis=head_axis,
-            seq_axis=seq_axis).items() if v is not _MISSING}
+            seq_axis=seq_axis, padding_segment_id=padding_segment_id).items() if v is not _MISSING}
         self.config = _resolve_config(config, explicit)
 
     @classmethod
@@ -281,11 +295,11 @@ class CSAIndexerLoss(nnx.Module):
 
     def __call__(self, indexer_logits: jax.Array, q: jax.Array, compressed_kv: jax.Array, *, topk_indices=None,
                  window_kv=None, sinks=None, noncompressed_lse=None, full_lse=None, segment_ids=None,
-                 positions=None, kv_segment_ids=None, kv_positions=None) -> jax.Array:
+                 positions=None, kv_segment_ids=None, kv_positions=None, loss_mask=None) -> jax.Array:
         loss = _compute_loss(self.config, indexer_logits, q, compressed_kv, topk_indices=topk_indices,
                              window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse,
                              full_lse=full_lse, segment_ids=segment_ids, positions=positions,
-                             kv_segment_ids=kv_segment_ids, kv_positions=kv_positions)
+                             kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, loss_mask=loss_mask)
         self.sow(nnx.Intermediate, SOW_NAME, loss)
         return loss
 
@@ -315,6 +329,7 @@ class CSAIndexerLossLinen(nn.Module):
     batch_axes: Optional[tuple] = None
     head_axis: Optional[str] = None
     seq_axis: Optional[str] = None
+    padding_segment_id: Optional[int] = None
 
     def __post_init__(self):
         self.loss_config  # validate at construction, so a bad field raises here, naming it
@@ -333,23 +348,31 @@ class CSAIndexerLossLinen(nn.Module):
     @nn.compact
     def __call__(self, indexer_logits: jax.Array, q: jax.Array, compressed_kv: jax.Array, *, topk_indices=None,
                  window_kv=None, sinks=None, noncompressed_lse=None, full_lse=None, segment_ids=None,
-                 positions=None, kv_segment_ids=None, kv_positions=None) -> jax.Array:
+                 positions=None, kv_segment_ids=None, kv_positions=None, loss_mask=None) -> jax.Array:
         loss = _compute_loss(self.loss_config, indexer_logits, q, compressed_kv, topk_indices=topk_indices,
                              window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse,
                              full_lse=full_lse, segment_ids=segment_ids, positions=positions,
-                             kv_segment_ids=kv_segment_ids, kv_positions=kv_positions)
+                             kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, loss_mask=loss_mask)
         self.sow("intermediates", SOW_NAME, loss)
         return loss
 
     __call__.__doc__ = _CALL_DOC
 
 
+def _natural_key(key) -> tuple:
+    """Sort key that orders "layers_10" after "layers_9" (digit runs compare as numbers)."""
+    parts = re.split(r"(\d+)", str(key))
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in parts if p)
+
+
 def collect_indexer_losses(intermediates: Any, name: str = SOW_NAME) -> jax.Array:
-    """Every value sown under `name`, in tree order, stacked: f32 [L] (or [L, B, S] for reduction="none").
+    """Every value sown under `name`, in layer order, concatenated: f32 [L] (or [L, B, S] for reduction="none").
 
     Accepts what `nnx.capture(..., nnx.Intermediate)` returns (an nnx.State), the "intermediates" collection of a
-    Linen `apply(..., mutable=["intermediates"])`, or any nested Mapping of them. MaxText's loss is the mean of
-    this over layers; returns a zero-length array when nothing was sown.
+    Linen `apply(..., mutable=["intermediates"])`, or any nested Mapping of them. Keys are ordered naturally
+    (layer 10 after layer 9). A value sown inside `nn.scan` / `nnx.scan` arrives stacked over the scanned layers
+    ([L_scan] or [L_scan, B, S]) and contributes all of them. MaxText's loss is the mean of this over layers;
+    returns a zero-length array when nothing was sown.
     """
     if hasattr(intermediates, "to_pure_dict"):
         intermediates = intermediates.to_pure_dict()
@@ -366,7 +389,7 @@ def collect_indexer_losses(intermediates: Any, name: str = SOW_NAME) -> jax.Arra
 
     def walk(tree):
         if isinstance(tree, Mapping):
-            for key in sorted(tree, key=str):  # a deterministic order whatever the container
+            for key in sorted(tree, key=_natural_key):  # a deterministic, layer-numbered order
                 # A submodule may itself be called "indexer_loss" (the layer's loss module is): recurse into
                 # mappings, collect only the sown leaves.
                 if key == name and not isinstance(tree[key], Mapping):
@@ -377,4 +400,7 @@ def collect_indexer_losses(intermediates: Any, name: str = SOW_NAME) -> jax.Arra
     walk(intermediates)
     if not found:
         return jnp.zeros((0,), jnp.float32)
-    return jnp.stack(found)
+    # One call sows a scalar (or a [B, S] array for reduction="none"); scan stacks them over a leading layer axis.
+    call_ndim = 0 if min(x.ndim for x in found) <= 1 else 2
+    return jnp.concatenate([x.reshape((-1,) + x.shape[x.ndim - call_ndim:]) if x.ndim > call_ndim else x[None]
+                            for x in found], axis=0)

@@ -118,15 +118,16 @@ def teacher_mode(problem: Problem) -> str:
     return "full_lse" if problem.full_lse is not None else "joint"
 
 
-def dense_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None,
-                 kl_logits_dtype=None) -> DenseLayout:
-    """kl_logits_dtype: size the default tiles for the fused-KL teacher (the loss path) with logits of that dtype."""
+def dense_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> DenseLayout:
+    """cfg: a `TeacherConfig`, or a Mapping of its fields overriding the heuristic default (None: the default).
+    kl_logits_dtype: size the default tiles for the fused-KL teacher (the loss path) with logits of that dtype."""
     dtype = compute_dtype(problem.q, problem.compressed_kv)
-    if cfg is None:
-        cfg = teacher_kernel.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
-                                            seq_len=problem.seq_len, num_blocks=problem.num_blocks, dtype=dtype,
-                                            mode=teacher_mode(problem), head_chunk=problem.head_chunk,
-                                            kl_logits_dtype=kl_logits_dtype)
+    if not isinstance(cfg, teacher_kernel.TeacherConfig):
+        default = teacher_kernel.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
+                                                seq_len=problem.seq_len, num_blocks=problem.num_blocks, dtype=dtype,
+                                                mode=teacher_mode(problem), head_chunk=problem.head_chunk,
+                                                kl_logits_dtype=kl_logits_dtype)
+        cfg = teacher_kernel.with_overrides(default, cfg)
     s_p = common.round_up(problem.seq_len, cfg.block_q)
     n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
     qmeta = common.query_meta(problem.segment_ids, query_positions(problem), s_p)
@@ -159,7 +160,7 @@ def window_supported_reason(problem: Problem) -> Optional[str]:
         return None
     seg, pos, kv_seg, kv_pos = ids
     same_keys = np.array_equal(seg, kv_seg) and np.array_equal(pos, kv_pos)
-    if not same_keys or not bool(masks.window_layout_ok(jnp.asarray(seg), jnp.asarray(pos))):
+    if not same_keys or not bool(masks.window_layout_ok(seg, pos, xp=np)):
         return ("the window-LSE kernel needs every document to be one contiguous run of the sequence with strictly "
                 "increasing positions (and the key ids equal to the query ids); these ids are not; pass "
                 "noncompressed_lse or implementation='xla'")
@@ -259,7 +260,7 @@ def teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True
     return jax.lax.stop_gradient(head_sum), jax.lax.stop_gradient(rowmax[:, :, 0, :].reshape(problem.batch, -1))
 
 
-def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> jax.Array:
+def teacher_distribution(problem: Problem, cfg=None) -> jax.Array:
     """P, f32 [B, S, N]."""
     b, s, n = problem.batch, problem.seq_len, problem.num_blocks
     if n == 0:
@@ -497,8 +498,7 @@ def loss_through_kernels(indexer_logits, problem: Problem, *, make_layout, make_
     return reference.reduce_rows(rows, nonempty, reduction, scale)
 
 
-def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0,
-                         cfg: Optional[teacher_kernel.TeacherConfig] = None):
+def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0, cfg=None):
     """Dense-mode loss through the fused teacher + KL kernel; same contract as `reference.indexer_distill_loss`."""
     return loss_through_kernels(
         indexer_logits, problem,

@@ -65,14 +65,17 @@ def _tile_need(problem: Problem, qmeta, kmeta, cfg, s_p: int, n_p: int):
     return need & overlap
 
 
-def sparse_layout(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None,
-                  kl_logits_dtype=None) -> SparseLayout:
-    """kl_logits_dtype: size the default tiles for the fused-KL kernel (the loss path)."""
+def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLayout:
+    """cfg: a `TeacherConfig`, or a Mapping of its fields overriding the heuristic default (None: the default).
+    kl_logits_dtype: size the default tiles for the fused-KL kernel (the loss path)."""
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
+    overrides = None if isinstance(cfg, teacher_kernel.TeacherConfig) else cfg
     cfg = sparse_teacher.sparse_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
                                        seq_len=problem.seq_len, num_blocks=problem.num_blocks,
                                        width=problem.width, dtype=dtype, mode=ops.teacher_mode(problem),
-                                       head_chunk=problem.head_chunk, cfg=cfg, kl_logits_dtype=kl_logits_dtype)
+                                       head_chunk=problem.head_chunk, cfg=None if overrides is not None else cfg,
+                                       kl_logits_dtype=kl_logits_dtype)
+    cfg = teacher_kernel.with_overrides(cfg, overrides)
     s_p = common.round_up(problem.seq_len, cfg.block_q)
     n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
     k_p = common.round_up(problem.width, common.LANES)
@@ -115,7 +118,7 @@ def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = Tru
     return jax.lax.stop_gradient(head_sum), jax.lax.stop_gradient(rowmax[:, :, 0, :].reshape(problem.batch, -1))
 
 
-def teacher_distribution(problem: Problem, cfg: Optional[teacher_kernel.TeacherConfig] = None) -> jax.Array:
+def teacher_distribution(problem: Problem, cfg=None) -> jax.Array:
     """P, f32 [B, S, K] in slot order (0 on empty slots and empty rows)."""
     b, s, k = problem.batch, problem.seq_len, problem.width
     if problem.num_blocks == 0:
@@ -161,8 +164,7 @@ def fused_kl_rows(indexer_logits, problem: Problem, layout: SparseLayout,
                           padded_width=layout.padded_width)
 
 
-def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0,
-                         cfg: Optional[teacher_kernel.TeacherConfig] = None):
+def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0, cfg=None):
     """Sparse-mode loss through the fused sparse teacher + KL kernel; same contract as
     `reference.indexer_distill_loss`."""
     return ops.loss_through_kernels(

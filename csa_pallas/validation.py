@@ -206,10 +206,12 @@ def _check_q_layout(q_shape, compressed_kv_shape, compress_ratio: int, others: d
     """q must be [B, S, H, D] (MaxText layout). A q passed as [B, H, S, D] would otherwise surface as an unrelated
     mismatch (N vs S_kv // m, or missing kv ids); say what it most likely is."""
     b, s, h, d = q_shape
+    if h <= s:  # a sequence shorter than the head count: nothing points at a swapped layout
+        return
     lengths = {name: _shape(x)[1] for name, x in others.items() if x is not None and len(_shape(x)) >= 2}
     n = compressed_kv_shape[1] if len(compressed_kv_shape) == 3 else None
-    seq_like = [name for name, length in lengths.items() if length == h and length != s]
-    if n is not None and n != s // compress_ratio and n == h // compress_ratio and h != s:
+    seq_like = [name for name, length in lengths.items() if length == h]
+    if n is not None and n != s // compress_ratio and n == h // compress_ratio:
         seq_like.append("compressed_kv (N = S // compress_ratio)")
     if seq_like:
         raise ValueError(f"q: expected shape [B, S, H, D] (MaxText layout: sequence before heads), got {q_shape}; "

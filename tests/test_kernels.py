@@ -315,14 +315,13 @@ def test_paired_causal_query_tiles(seq, heads, ratio, block_q, block_k, target, 
     # walk of grid steps, the first tile's pass 2 (and fused KL) in the second tile's first step; the second
     # tile's pass 2 in its own last pass-1 step (merged) or in a step of its own.
     from csa_pallas import ops
-    from csa_pallas.kernels import teacher as teacher_kernel
     arrays = make_case(15, seq=seq, heads=heads, head_dim=32, ratio=ratio)
     cfg = TeacherConfig(block_q=block_q, block_k=block_k, head_chunk=heads, cache_scores=True,
                         vmem_limit_bytes=32 << 20)
     problem = validation.validate(arrays["q"], arrays["compressed_kv"], compress_ratio=ratio, target="per_head")
     schedule = ops.dense_layout(problem, cfg).schedule
-    assert schedule.causal and teacher_kernel._pairs_fit(schedule)
-    assert teacher_kernel._pair_merged(schedule) == merged
+    assert schedule.causal and schedule.pairs_fit()
+    assert schedule.pairs_merge() == merged
     assert_matches(run_case(arrays, target=target, ratio=ratio, head_chunk=heads, cfg=cfg))
 
 

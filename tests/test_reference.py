@@ -256,26 +256,14 @@ def assert_all_finite(out: dict):
         assert np.all(np.isfinite(v)), f"{k} has non-finite values: {v}"
 
 
-def local_gap(case: Case) -> float:
-    """max over non-empty rows and heads of u - C (nats) for the joint target; -inf otherwise."""
-    V = support(case)
-    if case.static["target"] != "joint" or not V.any() or not ({"window_kv", "noncompressed_lse"} & set(case.arrays)):
-        return -np.inf
-    u = f64(case.arrays["noncompressed_lse"]) if "noncompressed_lse" in case.arrays else oracle_u(case)
-    return float(np.max((u - oracle_compressed_lse(case))[V.any(-1)]))
-
-
-LOCAL_DOMINANT_NATS = 15.0
-
-
 def check_against_oracle(case: Case) -> dict:
     """The SPEC §6 comparison of P, the KL rows and all four reductions; returns the reference outputs.
 
-    Per-row KL: 1e-6 absolute, except when some head is local-dominant (u - C > 15 nats), where it is held to 1e-6
-    relative + absolute: there F ~ u is large, the f32 rounding of z - F (half an ulp of ~30 is ~1e-6) gives P errors
-    of ~3e-7 (still within the 1e-6 bound on P) that the factor log P - log Q (up to ~5 here) amplifies in the KL.
+    P: 1e-6 absolute. Per-row KL: 1e-6 absolute plus 5e-7 relative: a KL row is sum P log P - sum P log Q, two sums
+    of terms up to |log Q| ~ 10 whose f32 rounding is a few ulps of the row's own size (rows of ~4 nats would
+    otherwise need the result to within 2 ulps). The rebased teacher keeps this at any u - C.
     """
-    kl_rtol = TOL if local_gap(case) > LOCAL_DOMINANT_NATS else 0.0
+    kl_rtol = 5e-7
     out = run_forward(case)
     assert_all_finite(out)
     lg, q, ckv, kw = f64(case.logits), f64(case.q), f64(case.compressed_kv), case.oracle_kw()
@@ -465,7 +453,8 @@ def test_extreme_sinks(sparse, sinks):
 
 @SPARSE
 def test_single_visible_block(sparse):
-    """A row with exactly one entry in V(t) has P = 1 there (exactly), KL 0 and gradient 0."""
+    """A row with exactly one entry in V(t) has P = 1 there, KL 0 and gradient 0 (to one f32 rounding: the row
+    normalisation divides by a broadcast sum, which XLA computes as a reciprocal times the sum)."""
     case = named_case(8, sparse)
     if sparse:
         topk = case.arrays["topk_indices"].copy()
@@ -479,10 +468,10 @@ def test_single_visible_block(sparse):
         assert V[0, t].sum() == 1 and V[0, t, k]
     out = check_against_oracle(case)
     _, grad = value_and_grad(case, "sum")
-    for t, k in single:
-        assert out["P"][0, t, k] == 1.0
-        assert out["rows"][0, t] == 0.0
-        assert np.all(grad[0, t] == 0)
+    for t, k in single:  # exact up to the one rounding of the row normalisation
+        assert abs(out["P"][0, t, k] - 1.0) <= 1.2e-7
+        assert abs(out["rows"][0, t]) <= 1.2e-7
+        assert np.all(np.abs(grad[0, t]) <= 1.2e-7)
 
 
 def test_k_greater_than_n():

@@ -183,7 +183,7 @@ def test_packed_multiplicity_matches_a_direct_count(block_q, block_k, width, bas
     idx[1, :] = base + block_k - 1
     idx[2, ::2], idx[2, 1::2] = np.iinfo(np.int32).min, np.iinfo(np.int32).max
     idx[3, :] = -1
-    fold = sparse_teacher.slot_fold(block_q)
+    fold = sparse_teacher.slot_fold_width(block_q)
 
     def kernel(idx_ref, packed_ref, row_major_ref, idx_t_ref):
         idx_t_ref[...] = sparse_teacher.transpose_slots(idx_ref[...], fold)

@@ -89,7 +89,9 @@ def kl_epilogue(kl: FusedKL, acc_ref, logits_ref, stats_ref, grad_ref, *, visibl
         nonempty = nonempty & (total != 0)
         lse = jnp.where(nonempty, top + jnp.log(jnp.maximum(exp_sum, common.F32_TINY)), 0.0)
         inv_total = jnp.where(nonempty, 1.0 / jnp.maximum(total, common.F32_TINY), 0.0)
-        return lse, inv_total, jnp.where(nonempty, 1.0, 0.0), nonempty  # sum P: 1 on non-empty rows
+        # sum P as computed (1 up to one rounding: SPEC §9.1's Q - P is then Q * sum P - P, and a single-block row
+        # gets exactly 0)
+        return lse, inv_total, total * inv_total, nonempty
 
     def kl_terms(prob, logits, lse):
         nonzero = prob != 0  # 0 log 0 = 0; prob != 0 implies t sees the block; a NaN stays

@@ -351,6 +351,21 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
         out_ref[...] = jnp.where(valid, acc, EMPTY_SLOT)
 
 
+def pass2_reads(*, cache_scores: bool, cache_weights: bool) -> dict:
+    """What the kernel's pass 2 reads from the tile it walks: the kv block unless the scores are cached, the key
+    metadata unless the slot weights are cached (it recomputes them)."""
+    return dict(kv=not cache_scores, meta=not cache_weights)
+
+
+def teacher_walk(schedule: schedule_lib.TileSchedule, *, cache_scores: bool, cache_weights: bool):
+    """Both passes walk the tiles; what pass 2 does not read (`pass2_reads`) stays resident on the last pass-1
+    tile, so nothing is re-fetched."""
+    reads = pass2_reads(cache_scores=cache_scores, cache_weights=cache_weights)
+    return schedule_lib.TeacherWalk(schedule, kind="plain", cached_pass2=False,
+                                    pass2_kv="walk" if reads["kv"] else "resident",
+                                    pass2_meta="walk" if reads["meta"] else "resident")
+
+
 def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mode: str,
                           cfg: dense_teacher.TeacherConfig, scale: float, schedule: schedule_lib.TileSchedule,
                           normalize: bool = True, kl: Optional[fused_kl.FusedKL] = None, logits=None,
@@ -403,12 +418,7 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
         raise ValueError(f"slot_fold: the transposed multiplicity needs block_q ({bq}) to divide or be a multiple of "
                          f"128 and block_k ({bk}) a multiple of {COUNTER_FIELDS * common.SUBLANES}")
     fold = can_fold if slot_fold is None or slot_fold else 0
-    # Both passes walk the tiles; with cached scores pass 2 keeps the kv block resident (it reads VMEM), and the
-    # key metadata too when the slot weights are cached - otherwise pass 2 recomputes them from the metadata of the
-    # tile it walks, which must then follow the walk.
-    walk = schedule_lib.TeacherWalk(schedule, kind="plain", cached_pass2=False,
-                                    pass2_kv="resident" if cache_scores else "walk",
-                                    pass2_meta="resident" if cache_scores and cache_weights else "walk")
+    walk = teacher_walk(schedule, cache_scores=cache_scores, cache_weights=cache_weights)
     maps = walk.index_maps(head_chunk=hc, group=group)
 
     in_specs = [

@@ -93,6 +93,18 @@ class TeacherConfig:
             raise ValueError(f"kl_chunk: expected None or a positive multiple of 128, got {self.kl_chunk}")
 
 
+def with_overrides(cfg: TeacherConfig, overrides) -> TeacherConfig:
+    """cfg with the fields of `overrides` (a Mapping of TeacherConfig field names, or None) replaced; an unknown
+    field is a ValueError naming it."""
+    if not overrides:
+        return cfg
+    fields = {f.name for f in dataclasses.fields(TeacherConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"config: unknown field {unknown[0]!r}; expected some of {sorted(fields)}")
+    return dataclasses.replace(cfg, **overrides)
+
+
 def resolve_row_layout(cfg: TeacherConfig, num_heads: int, dtype) -> common.RowLayout:
     """The row layout of `cfg.row_order` (auto: token-major whenever it is legal)."""
     auto = common.row_layout(num_heads, cfg.head_chunk, cfg.block_q, dtype)

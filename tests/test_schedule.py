@@ -1,0 +1,142 @@
+"""Every grid step of every teacher walk, enumerated in pure Python (no kernel runs).
+
+For each walk (plain with a cached or a walked pass 2, pairs, merged; causal or table-driven schedules; the
+sparse teacher's variants) this checks that the index maps fetch exactly the tiles the kernel's decode names,
+that every needed kv tile is visited once per pass and head chunk, that an output tile's pass 2 comes after all of
+its pass 1, and that wherever the kernel reads a kv block or key metadata the resident tile is the one it computes
+(the sparse cache bug of issue 13 was such a disagreement: a cached-score pass 2 recomputing slot weights from
+metadata that the index map had clamped to the last tile).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from csa_pallas.kernels import schedule as schedule_lib
+from csa_pallas.kernels import sparse_teacher
+
+
+def causal(nq, nk, block_q=16, block_k=128, ratio=4, num_blocks=None):
+    num_blocks = nk * block_k if num_blocks is None else num_blocks
+    return schedule_lib.TileSchedule(causal=True, nq=nq, nk=nk, block_q=block_q, block_k=block_k, ratio=ratio,
+                                     num_blocks=num_blocks)
+
+
+def table(nq, nk, seed, batch):
+    """A table-driven schedule with random per-query-tile ranges (some empty)."""
+    rng = np.random.default_rng(seed)
+    firsts = rng.integers(0, nk, batch * nq).astype(np.int32)
+    counts = np.minimum(rng.integers(1, nk + 1, batch * nq), nk - firsts).astype(np.int32)
+    counts[::3] = 0  # query tiles that see nothing
+    firsts = np.where(counts == 0, 0, firsts).astype(np.int32)
+    s = schedule_lib.TileSchedule(causal=False, nq=nq, nk=nk, block_q=16, block_k=128, ratio=4,
+                                  num_blocks=nk * 128)
+    return s, firsts, counts
+
+
+def needed(s, b, qi, firsts, counts):
+    if s.causal:
+        return list(range(s.static_count(qi)))
+    first, count = int(firsts[b * s.nq + qi]), int(counts[b * s.nq + qi])
+    return list(range(first, first + count))
+
+
+def check_walk(walk, *, batch, chunks, firsts=None, counts=None, reads_kv_pass2=False, reads_meta_pass2=False):
+    s = walk.schedule
+    maps = walk.index_maps(head_chunk=1, group=1)
+    visits = {}  # (b, qi, c, pass) -> [tiles in order]
+    pass1_done = {}  # (b, qi, c) -> step index (global order) of the last pass-1 visit
+    finished = {}  # (b, out_qi, c) -> step index of its finishing step
+    order = 0
+    for p, c, step, v in schedule_lib.enumerate_steps(walk, batch=batch, num_chunks=chunks, firsts=firsts,
+                                                      counts=counts):
+        order += 1
+        ids = (p, c, step, firsts, counts)
+        # The index maps fetch what the decode names.
+        assert int(maps["kv"](*ids)[1]) == v.kv_tile
+        assert int(maps["kmeta"](*ids)[2]) == v.meta_tile
+        assert int(maps["row"](*ids)[1]) == v.out_qi
+        assert tuple(int(x) for x in maps["lse"](*ids)[:3]) == (v.b, c, v.qi)
+        assert int(maps["q"](*ids)[1]) == v.qi
+        if v.in_pass1 and v.active:
+            # The kernel reads the kv block and (table schedules) the metadata of the tile it computes.
+            assert v.kv_tile == v.tile and v.meta_tile == v.tile, (p, c, step)
+            visits.setdefault((v.b, v.qi, c, 1), []).append(v.tile)
+            pass1_done[(v.b, v.qi, c)] = order
+        elif not v.in_pass1 and v.active and not walk.cached_pass2:
+            if reads_kv_pass2:
+                assert v.kv_tile == v.tile, ("pass-2 kv", p, c, step)
+            if reads_meta_pass2:
+                assert v.meta_tile == v.tile, ("pass-2 metadata", p, c, step)
+            visits.setdefault((v.b, v.qi, c, 2), []).append(v.tile)
+        if step == v.last_step:
+            finished[(v.b, v.out_qi, c)] = order
+    for b in range(batch):
+        for qi in range(s.nq):
+            want = needed(s, b, qi, firsts, counts)
+            for c in range(chunks):
+                assert visits.get((b, qi, c, 1), []) == want, (b, qi, c)
+                if not walk.cached_pass2:
+                    assert visits.get((b, qi, c, 2), []) == want, ("pass 2", b, qi, c)
+                assert (b, qi, c) in finished, ("no finishing step", b, qi, c)
+                if want:
+                    assert finished[(b, qi, c)] >= pass1_done[(b, qi, c)], ("pass 2 before pass 1", b, qi, c)
+
+
+@pytest.mark.parametrize("nq, block_q, ratio, block_k", [(8, 16, 1, 32), (5, 32, 1, 64), (6, 16, 4, 16)])
+@pytest.mark.parametrize("cached", [True, False])
+def test_plain_walk_causal(nq, block_q, ratio, block_k, cached):
+    num_blocks = nq * block_q // ratio - 3  # S not a multiple of m: padding blocks in the last kv tile
+    s = causal(nq, -(-num_blocks // block_k), block_q, block_k, ratio, num_blocks=num_blocks)
+    check_walk(schedule_lib.TeacherWalk(s, kind="plain", cached_pass2=cached), batch=2, chunks=2,
+               reads_kv_pass2=not cached, reads_meta_pass2=not cached)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_plain_walk_table(cached):
+    s, firsts, counts = table(5, 4, seed=0, batch=2)
+    assert (counts == 0).any() and (counts > 1).any()
+    check_walk(schedule_lib.TeacherWalk(s, kind="plain", cached_pass2=cached), batch=2, chunks=2, firsts=firsts,
+               counts=counts, reads_kv_pass2=not cached, reads_meta_pass2=not cached)
+
+
+@pytest.mark.parametrize("nq, block_q, ratio, block_k, kind", [
+    (32, 16, 1, 128, "merged"), (32, 16, 1, 128, "pairs"), (16, 32, 2, 128, "merged"), (16, 16, 32, 16, "pairs"),
+])
+def test_pair_walks(nq, block_q, ratio, block_k, kind):
+    num_blocks = nq * block_q // ratio
+    s = causal(nq, -(-num_blocks // block_k), block_q, block_k, ratio, num_blocks=num_blocks)
+    assert s.pairs_fit() and (kind == "pairs" or s.pairs_merge())
+    walk = schedule_lib.TeacherWalk(s, kind=kind, cached_pass2=True)
+    check_walk(walk, batch=2, chunks=1)
+    # No idle grid steps: every pair's steps are all used (the counts of (i, nq-1-i) add up to the same number).
+    used = {s.static_count(i) + s.static_count(nq - 1 - i) for i in range(nq // 2)}
+    assert walk.steps - max(used) in (0, 1)
+
+
+def test_pair_walk_needs_the_causal_schedule():
+    s, _, _ = table(4, 2, seed=1, batch=1)
+    with pytest.raises(ValueError, match="walk:"):
+        schedule_lib.TeacherWalk(s, kind="pairs", cached_pass2=True)
+    with pytest.raises(ValueError, match="walk: 'merged'"):
+        schedule_lib.TeacherWalk(causal(16, 1, 16, 16, 32, num_blocks=8), kind="merged", cached_pass2=True)
+
+
+@pytest.mark.parametrize("cache_scores, cache_weights", list(itertools.product([True, False], repeat=2)))
+@pytest.mark.parametrize("causal_schedule", [True, False])
+def test_sparse_teacher_walk_keeps_what_pass_2_reads_resident(cache_scores, cache_weights, causal_schedule):
+    """The sparse teacher's pass 2 reads the kv block unless the scores are cached, and the key metadata unless the
+    slot weights are cached (it recomputes them): its walk must keep exactly those following the walk."""
+    if causal_schedule:
+        s, firsts, counts = causal(4, 3), None, None
+    else:
+        s, firsts, counts = table(4, 3, seed=2, batch=2)
+    walk = sparse_teacher.teacher_walk(s, cache_scores=cache_scores, cache_weights=cache_weights)
+    reads = sparse_teacher.pass2_reads(cache_scores=cache_scores, cache_weights=cache_weights)
+    check_walk(walk, batch=2, chunks=2, firsts=firsts, counts=counts, reads_kv_pass2=reads["kv"],
+               reads_meta_pass2=reads["meta"])
+    if cache_scores and not cache_weights:  # the issue-13 bug configuration: metadata must follow the walk
+        assert walk.pass2_meta == "walk"
