@@ -253,7 +253,7 @@ def teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True
     out = teacher_kernel.teacher_pallas(inputs.q, inputs.kv, layout.qmeta, layout.kmeta, layout.firsts,
                                         layout.counts, inputs.lse_in, mode=inputs.mode, cfg=layout.cfg,
                                         scale=problem.softmax_scale, schedule=layout.schedule, normalize=normalize,
-                                        interpret=runtime.interpret_mode())
+                                        seq_len=problem.seq_len, interpret=runtime.interpret_mode())
     if normalize:
         return jax.lax.stop_gradient(out)
     head_sum, rowmax = out

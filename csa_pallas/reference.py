@@ -154,9 +154,9 @@ def teacher(problem: Problem):
     target = head_sum / jnp.where(total > 0, total, 1.0)
     # Every head's mass outside the blocks (M = -inf): an empty row. (A NaN M is not -inf: that row stays, NaN.)
     valid = valid & (top[:, 0, :, None] != -jnp.inf)
-    nonempty = jnp.any(valid, axis=-1, keepdims=True)
     target = jnp.where(valid, target, 0.0)
-    target = jnp.where(nonempty & nonfinite_rows(problem, valid)[..., None], jnp.nan, target)
+    # A row that read a non-finite input is NaN on its support (0 stays 0 elsewhere, like every other row).
+    target = jnp.where(valid & nonfinite_rows(problem, valid)[..., None], jnp.nan, target)
     return jax.lax.stop_gradient(target), valid
 
 

@@ -204,8 +204,9 @@ def poisoned(a: dict, which: str) -> dict:
         del a["window_kv"], a["sinks"]
         a["noncompressed_lse" if which == "lse_nan" else "full_lse"] = (u if which == "lse_nan" else
                                                                         np.logaddexp(u, 3.0).astype(np.float32))
-    elif which == "logit_nan":
-        a["logits"][0, 25, 0] = np.nan  # visible in both modes (slot 0 of row 25 is a causal pick or -1)
+    elif which == "logit_nan":  # at an entry of V(t): block 0 (dense) or the first valid slot (sparse)
+        k = int(np.argmax(a["topk_indices"][0, 25] >= 0)) if "topk_indices" in a else 0
+        a["logits"][0, 25, k] = np.nan
     return a
 
 
@@ -286,8 +287,12 @@ def test_float16_is_its_f32_upcast(impl, sparse):
     half = {k: (v.astype(np.float16) if k in ("q", "compressed_kv", "window_kv", "logits") else v)
             for k, v in a.items()}
     got = run(impl, half)
-    assert_close(got, expect({k: (v.astype(np.float32) if v.dtype == np.float16 else v) for k, v in half.items()}),
-                 "float16")
+    want = expect({k: (v.astype(np.float32) if v.dtype == np.float16 else v) for k, v in half.items()})
+    # The gradient comes back in the logits' dtype: float16, i.e. within one f16 rounding (2**-11 relative).
+    assert program(impl, tuple(sorted(half)))({k: jnp.asarray(v) for k, v in half.items()})["grad"].dtype == \
+        jnp.float16
+    np.testing.assert_allclose(got["grad"], want["grad"], rtol=2.0 ** -11, atol=1e-7)
+    assert_close(dict(got, grad=want["grad"]), want, "float16")
 
 
 @IMPL
@@ -312,7 +317,19 @@ def test_topk_indices_of_any_integer_dtype(impl, dtype):
         topk[0, 20, :2] = [2**31 + 1, 2**32 - 5]
         idx = jnp.asarray(topk.astype(np.uint32))  # a jax array: compared in uint32, never cast to int32 first
     want = expect(dict(a, topk_indices=topk))
-    got = run(impl, dict(a, topk_indices=idx))
+    if dtype == "int64_numpy":
+        # A NumPy int64 array keeps its values only where the op sees it as such: jit would convert an argument to
+        # int32 at its boundary (wrapping 2**32 + 1 onto 1 before csa_pallas is called), so it is closed over.
+        kw = dict(window_kv=a["window_kv"], sinks=a["sinks"], compress_ratio=M, window_size=W, topk_indices=idx,
+                  implementation=impl)
+        loss = lambda x: csa_pallas.indexer_distill_loss(x, a["q"], a["compressed_kv"], **kw)
+        got = dict(P=np.asarray(jax.jit(lambda q: csa_pallas.teacher_distribution(q, a["compressed_kv"], **kw))(
+                       a["q"]), np.float64),
+                   rows=np.asarray(jax.jit(lambda x: csa_pallas.indexer_distill_loss(
+                       x, a["q"], a["compressed_kv"], reduction="none", **kw))(a["logits"]), np.float64))
+        got["loss"], got["grad"] = (np.asarray(v, np.float64) for v in jax.jit(jax.value_and_grad(loss))(a["logits"]))
+    else:
+        got = run(impl, dict(a, topk_indices=idx))
     assert_close(got, want, dtype)
     assert np.all(got["P"][0, 20, :2] == 0)
 

@@ -231,7 +231,8 @@ def normalize_rows(head_sum: jax.Array) -> jax.Array:
 
 
 def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, walk: schedule_lib.TeacherWalk,
-            nh, layout, group, scale, normalize, straight_pass2, kl: Optional[fused_kl.FusedKL] = None):
+            nh, layout, group, scale, normalize, straight_pass2, seq_len: int,
+            kl: Optional[fused_kl.FusedKL] = None):
     schedule = walk.schedule
     cache_scores = walk.cached_pass2
     pairs = walk.paired
@@ -241,6 +242,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         lse_ref, shift_ref = refs.pop(0), refs.pop(0)  # (u or F) - sigma and sigma, see `rebase`
     rowmax_ref = None
     if kl is None:
+        krow_ref = refs.pop(0) if normalize else None  # the whole row of key metadata: V(t) at normalisation
         out_ref = refs.pop(0)  # the head sum accumulates in the resident output block
         if not normalize:
             rowmax_ref = refs.pop(0)  # the rows' M (base 2): shards of the heads combine their sums with it
@@ -270,7 +272,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     own_pass2 = jnp.logical_not(first_step) if merged else False
 
     def fused_epilogue():
-        visible_at, nonempty = _dense_visibility(kl, qmeta_ref, krow_ref, qi=out_qi, schedule=schedule)
+        visible_at, nonempty = _dense_visibility(kl.seq_len, qmeta_ref, krow_ref, qi=out_qi, schedule=schedule)
         fused_kl.kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, visible_at=visible_at,
                              nonempty_rows=nonempty)
 
@@ -509,7 +511,10 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         def _():
             acc = out_ref[...]
             total = jnp.sum(acc, axis=1, keepdims=True)
-            out_ref[...] = acc / jnp.maximum(total, common.F32_TINY)
+            # 0 outside V(t), also on a NaN row (there pass 2's exp2(-inf - NaN) is NaN on every entry).
+            visible_at, _ = _dense_visibility(seq_len, qmeta_ref, krow_ref, qi=out_qi,
+                                              schedule=schedule)
+            out_ref[...] = jnp.where(visible_at(0, acc.shape[1]), acc / jnp.maximum(total, common.F32_TINY), 0.0)
     else:  # the head sum stays unnormalised; the rows' M goes out with it
         @pl.when((c == nh - 1) & (step == at.last_step))
         def _():
@@ -517,13 +522,14 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             rowmax_ref[...] = jnp.concatenate([rows, jnp.zeros((common.SUBLANES - 1, bq), jnp.float32)], axis=0)
 
 
-def _dense_visibility(kl: fused_kl.FusedKL, qmeta_ref, krow_ref, *, qi, schedule: schedule_lib.TileSchedule):
-    """(visible_at(start, width) -> bool [bq, width], non-empty rows [bq, 1] or None) for the dense support V(t)."""
+def _dense_visibility(seq_len: int, qmeta_ref, krow_ref, *, qi, schedule: schedule_lib.TileSchedule):
+    """(visible_at(start, width) -> bool [bq, width], non-empty rows [bq, 1] or None) for the dense support V(t);
+    seq_len: the real query rows (later rows are padding and see nothing)."""
     bq = schedule.block_q
     if schedule.causal:  # row t sees blocks j < limit[t] (complete blocks, real rows only)
         t = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
         limit = jnp.minimum(common.index_div(t + 1, schedule.ratio), schedule.num_blocks)
-        limit = jnp.where(t < kl.seq_len, limit, 0)
+        limit = jnp.where(t < seq_len, limit, 0)
         return (lambda start, width: start + lax.broadcasted_iota(jnp.int32, (bq, width), 1) < limit), limit > 0
 
     def visible_at(start, width):
@@ -536,7 +542,8 @@ def _dense_visibility(kl: fused_kl.FusedKL, qmeta_ref, krow_ref, *, qi, schedule
 
 def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cfg: TeacherConfig, scale: float,
                    schedule: schedule_lib.TileSchedule, normalize: bool = True,
-                   kl: Optional[fused_kl.FusedKL] = None, logits=None, interpret=False):
+                   kl: Optional[fused_kl.FusedKL] = None, logits=None, seq_len: Optional[int] = None,
+                   interpret=False):
     """Runs the dense teacher kernel on padded, prepared inputs.
 
     Args:
@@ -550,6 +557,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
       normalize: False returns the head sum unnormalised and the rows' max head weight M (heads sharded over
         devices: the caller rescales the shards' sums to a common M, adds them and normalises once).
       kl, logits: the fused KL (the loss path): logits I [B, S_p, N_p] (any float dtype, padding anything).
+      seq_len: the real query rows S (default S_p; rows past it are padding, 0 in P).
 
     Returns:
       P, f32 [B, S_p, N_p], rows L1-normalised (0 outside V(t) and on empty rows, NaN on rows that read a
@@ -569,6 +577,9 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     if not layout.token_major and group != hc and hc % common.sublane_multiple(q.dtype) == 0:
         group = hc  # a forced head-major copy of a legal chunk reads the chunk itself
     cached = cfg.cache_scores
+    seq_len = s_p if seq_len is None else seq_len
+    if kl is not None:
+        seq_len = kl.seq_len
     # Causal cached single-chunk runs walk query tiles in pairs (qi, nq-1-qi), each pair with the same number of
     # steps, instead of nk + 1 steps per tile of which the early tiles leave most idle (~200 bundles each).
     kind = resolve_walk(cfg, schedule, cached=cached, num_chunks=nh, normalize=normalize or kl is not None)
@@ -590,13 +601,16 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         operands += list(lse_in)
     out_specs = pl.BlockSpec((None, bq, n_p), maps["row"])
     out_shape = jax.ShapeDtypeStruct((b, s_p, n_p), jnp.float32)
+    batch_of = lambda p, c, step, firsts_ref, counts_ref: common.index_div(p, walk.rows)
+    krow = (pl.BlockSpec(memory_space=pl.ANY) if schedule.causal
+            else pl.BlockSpec((None, common.SUBLANES, n_p), lambda *ids: (batch_of(*ids), 0, 0)))
     if kl is None and not normalize:
         out_specs = [out_specs, pl.BlockSpec((None, None, common.SUBLANES, bq), maps["stats"])]
         out_shape = [out_shape, jax.ShapeDtypeStruct((b, nq, common.SUBLANES, bq), jnp.float32)]
+    elif kl is None:
+        in_specs.append(krow)
+        operands.append(kmeta)
     if kl is not None:
-        batch_of = lambda p, c, step, firsts_ref, counts_ref: common.index_div(p, walk.rows)
-        krow = (pl.BlockSpec(memory_space=pl.ANY) if schedule.causal
-                else pl.BlockSpec((None, common.SUBLANES, n_p), lambda *ids: (batch_of(*ids), 0, 0)))
         logits_spec, out_specs, out_shape = fused_kl.fused_kl_blocks(kl, logits, maps["row"], block_q=bq)
         in_specs += [logits_spec, krow]
         operands += [logits, kmeta]
@@ -617,7 +631,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     if nh > 1 or (kl is None and not normalize):
         scratch.append(pltpu.VMEM((bq, common.LANES), jnp.float32))  # running M over head chunks
     kernel = functools.partial(_kernel, mode=mode, walk=walk, nh=nh, layout=layout, group=group, scale=scale,
-                               normalize=normalize, straight_pass2=straight_pass2, kl=kl)
+                               normalize=normalize, straight_pass2=straight_pass2, kl=kl, seq_len=seq_len)
     order = "tok" if layout.token_major else "head"
     return pl.pallas_call(
         kernel,
