@@ -73,12 +73,22 @@ def query_positions(problem: Problem):
     return jnp.where(problem.loss_mask, problem.positions, common.PAD_POSITION)
 
 
-def shifted_lse(stats):
-    """(stats - sigma, sigma) for u or F, f32 [B, S, H] each: sigma = the row's smallest finite value over heads
-    (`reference.row_shift`), so the teacher's head weights never form numbers of the size of u - C."""
-    stats = stats.astype(jnp.float32)
-    sigma = jnp.swapaxes(reference.row_shift(jnp.swapaxes(stats, 1, 2)), 1, 2)  # [B, S, 1]
-    return stats - sigma, jnp.broadcast_to(sigma, stats.shape)
+def row_low(stats):
+    """The smallest value over heads of u or F [B, S, H] (not yet made finite: shards of the heads reduce it first,
+    see `row_shift_from_low`): f32 [B, S]."""
+    return jnp.min(stats.astype(jnp.float32), axis=-1)
+
+
+def row_shift_from_low(low):
+    """sigma = the row's smallest u (or F) over all heads, 0 when not finite (`reference.row_shift`)."""
+    return jnp.where(jnp.isfinite(low), low, 0.0)
+
+
+def row_stats_to_hbm(x, padded_seq: int, block_q: int):
+    """A per-row value f32 [B, S] -> the kernels' lane-dense row-statistics layout [B, nq, 8, bq] (row 0)."""
+    b = x.shape[0]
+    x = pad_axis(x, 1, padded_seq).reshape(b, padded_seq // block_q, 1, block_q)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, common.SUBLANES - 1), (0, 0)))
 
 
 def pad_axis(x, axis: int, size: int, value=0):
@@ -187,7 +197,7 @@ def noncompressed_lse(problem: Problem, cfg: Optional[window_kernel.WindowConfig
     kv_p = common.round_up(max(problem.kv_len, s_p + key_offset), cfg.block_k)
     # Teacher side: stop_gradient before the kernels, so differentiating wrt these inputs gives exact zeros.
     q = pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, s_p)
-    kv = pad_axis(nan_filled_rows(jax.lax.stop_gradient(problem.window_kv).astype(dtype)), 1, kv_p)
+    kv = pad_axis(jax.lax.stop_gradient(problem.window_kv).astype(dtype), 1, kv_p)  # NaN-filled per tile in-kernel
     if problem.default_ids and key_offset == 0 and key_valid is None:
         qmeta = wmeta = None  # the kernel masks from iota positions
         seq_len = s
@@ -227,29 +237,40 @@ def teacher_lse(problem: Problem) -> Optional[jax.Array]:
     return noncompressed_lse(problem)
 
 
-def lse_blocks(stats, problem: Problem, cfg, padded_seq: int, dtype):
-    """The teacher's (stats - sigma, sigma) inputs in the row layout's HBM form, rows padded to padded_seq."""
+def lse_blocks(stats, problem: Problem, cfg, padded_seq: int, dtype, reduce_low=None):
+    """The teacher's lse inputs: ((u or F) - sigma in the row layout's HBM form, sigma as row statistics
+    [B, nq, 8, bq]), rows padded to padded_seq; None for per_head. sigma is the row's smallest u (or F) over all
+    heads (`reference.row_shift`): it keeps every head weight an O(spread) number (`kernels.rebase`).
+    reduce_low: combines the per-row minimum over the heads of this call with other shards of the heads (e.g. a
+    `lax.pmin` over the head axis): sigma must be one number per row for all heads."""
     if stats is None:
         return None
     layout = teacher_kernel.resolve_row_layout(cfg, problem.num_heads, dtype)
-    shifted, sigma = shifted_lse(jax.lax.stop_gradient(stats))
-    return tuple(layout.stats_to_hbm(pad_axis(x, 1, padded_seq)) for x in (shifted, sigma))
+    stats = jax.lax.stop_gradient(stats).astype(jnp.float32)
+    low = row_low(stats)
+    if reduce_low is not None:
+        low = reduce_low(low)
+    sigma = row_shift_from_low(low)
+    shifted = layout.stats_to_hbm(pad_axis(stats - sigma[..., None], 1, padded_seq))
+    return shifted, row_stats_to_hbm(sigma, padded_seq, cfg.block_q)
 
 
-def teacher_inputs(problem: Problem, layout: DenseLayout) -> TeacherInputs:
+def teacher_inputs(problem: Problem, layout: DenseLayout, reduce_low=None) -> TeacherInputs:
+    """reduce_low: see `lse_blocks` (shards of the heads)."""
     cfg = layout.cfg
     dtype = compute_dtype(problem.q, problem.compressed_kv)
     q = pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
     kv = nan_filled_rows(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype))
     kv = pad_axis(kv, 1, layout.padded_blocks)
-    lse_in = lse_blocks(teacher_lse(problem), problem, cfg, layout.padded_seq, dtype)
+    lse_in = lse_blocks(teacher_lse(problem), problem, cfg, layout.padded_seq, dtype, reduce_low)
     return TeacherInputs(teacher_mode(problem), q, kv, lse_in)
 
 
-def teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True):
+def teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True, reduce_low=None):
     """P, f32 [B, S_p, N_p] (padding rows/columns are zero). normalize=False: (head sum f32 [B, S_p, N_p], the rows'
-    max head weight M f32 [B, S_p], base 2) for shards of the heads to combine (`combine_head_shards`)."""
-    inputs = teacher_inputs(problem, layout)
+    max head weight M f32 [B, S_p], base 2) for shards of the heads to combine (`sharding`); reduce_low: see
+    `lse_blocks`."""
+    inputs = teacher_inputs(problem, layout, reduce_low)
     out = teacher_kernel.teacher_pallas(inputs.q, inputs.kv, layout.qmeta, layout.kmeta, layout.firsts,
                                         layout.counts, inputs.lse_in, mode=inputs.mode, cfg=layout.cfg,
                                         scale=problem.softmax_scale, schedule=layout.schedule, normalize=normalize,

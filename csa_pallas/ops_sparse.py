@@ -90,8 +90,9 @@ def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLay
                         padded_seq=s_p, padded_blocks=n_p, padded_width=k_p)
 
 
-def teacher_inputs(problem: Problem, layout: SparseLayout):
-    """(mode, q, kv, idx, lse_in): the sparse teacher kernel's padded operands (stop-gradient)."""
+def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
+    """(mode, q, kv, idx, lse_in): the sparse teacher kernel's padded operands (stop-gradient); reduce_low: see
+    `ops.lse_blocks`."""
     cfg = layout.cfg
     mode = ops.teacher_mode(problem)
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
@@ -100,14 +101,14 @@ def teacher_inputs(problem: Problem, layout: SparseLayout):
     kv = ops.pad_axis(kv, 1, layout.padded_blocks)
     idx = problem.topk_indices.astype(jnp.int32)
     idx = ops.pad_axis(ops.pad_axis(idx, 1, layout.padded_seq, -1), 2, layout.padded_width, -1)
-    lse_in = ops.lse_blocks(ops.teacher_lse(problem), problem, cfg, layout.padded_seq, dtype)
+    lse_in = ops.lse_blocks(ops.teacher_lse(problem), problem, cfg, layout.padded_seq, dtype, reduce_low)
     return mode, q, kv, idx, lse_in
 
 
-def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = True):
+def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = True, reduce_low=None):
     """P' f32 [B, S_p, K_p]: slot-order target on valid slots, -1 on empty slots (and padding). normalize=False:
     (the unnormalised slot head sum, the rows' M f32 [B, S_p], base 2), see `ops.teacher_padded`."""
-    mode, q, kv, idx, lse_in = teacher_inputs(problem, layout)
+    mode, q, kv, idx, lse_in = teacher_inputs(problem, layout, reduce_low)
     out = sparse_teacher.sparse_teacher_pallas(q, kv, layout.qmeta, layout.kmeta, idx, layout.tiles,
                                                layout.counts, lse_in, mode=mode, cfg=layout.cfg,
                                                scale=problem.softmax_scale, schedule=layout.schedule,

@@ -253,7 +253,9 @@ def _local_target(local: dict, problem: Problem, axes: MeshAxes, num_seq_shards:
     layout = _layout(path, shard)
     if axes.heads is None:
         return path.teacher_padded(shard, layout), layout, path, shard
-    head_sum, rowmax = path.teacher_padded(shard, layout, normalize=False)
+    # sigma (the rows' shift of u, `ops.lse_blocks`) must be one number per row for all heads: min over shards.
+    head_sum, rowmax = path.teacher_padded(shard, layout, normalize=False,
+                                           reduce_low=lambda low: lax.pmin(low, axes.heads))
     head_sum, rowmax = head_sum[:, :shard.seq_len, :shard.width], rowmax[:, :shard.seq_len]
     # Each shard's sums are relative to its own row max M of the head weights (`kernels.rebase`): rescale them to
     # the max over all head shards before adding (a [B, S] collective), so nothing underflows whatever u - C is.

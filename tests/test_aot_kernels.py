@@ -69,3 +69,25 @@ def test_small_model_f32_compiles():
     program = loss_and_grad_program("joint", heads=8, head_dim=128, window=32)
     aot.compile_for_tpu(program, *input_structs(1024, heads=8, head_dim=128, dtype=jnp.float32))
 
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_float16_inputs_compile(sparse):
+    # Mosaic on v5p has no float16 vector loads ("Invalid vector type for load ... xf16"): float16 q, keys and
+    # logits go in as their exact f32 upcast; the gradient comes back in float16.
+    require_libtpu()
+    seq, heads, head_dim, width = 1024, 8, 128, 256
+    n = seq // 4
+    f16 = jnp.float16
+
+    def program(logits, q, compressed_kv, window_kv, sinks, topk):
+        loss = lambda x: csa_pallas.indexer_distill_loss(x, q, compressed_kv, window_kv=window_kv, sinks=sinks,
+                                                         topk_indices=topk if sparse else None, window_size=32,
+                                                         implementation="pallas")
+        return jax.value_and_grad(loss)(logits)
+
+    compiled = aot.compile_for_tpu(program, aot.struct((1, seq, width if sparse else n), f16),
+                                   aot.struct((1, seq, heads, head_dim), f16), aot.struct((1, n, head_dim), f16),
+                                   aot.struct((1, seq, head_dim), f16), aot.struct((heads,), jnp.float32),
+                                   aot.struct((1, seq, width), jnp.int32))
+    assert "tpu_custom_call" in compiled.as_text()

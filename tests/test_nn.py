@@ -165,6 +165,61 @@ def test_nnx_sow_without_capture_uses_flax_legacy_attribute():
     assert len(nnx.state(mod, nnx.Intermediate)) == 0
 
 
+def test_collect_indexer_losses_orders_layers_numerically():
+    """MaxText names layers layers_0 ... layers_42: layer 10 comes after layer 9, not after layer 1."""
+    tree = {f"layers_{i}": {"indexer_loss": (jnp.float32(i),)} for i in (12, 1, 10, 2, 3, 11, 0)}
+    np.testing.assert_array_equal(collect_indexer_losses(tree), [0, 1, 2, 3, 10, 11, 12])
+
+
+def test_collect_indexer_losses_under_scan_returns_one_entry_per_layer():
+    """nn.scan stacks the sown value over the scanned layers: [L], not [1, L]; reduction="none" gives [L, B, S]."""
+    logits, arrays, _ = _inputs(seed=8)
+
+    def scanned(reduction):
+        class Layer(nn.Module):
+            @nn.compact
+            def __call__(self, lg, _):
+                CSAIndexerLossLinen(compress_ratio=M, window_size=W, reduction=reduction, implementation=IMPL)(
+                    lg, arrays["q"], arrays["compressed_kv"], window_kv=arrays["window_kv"])
+                return lg * 1.5, None
+
+        stack = nn.scan(Layer, variable_axes={"intermediates": 0}, split_rngs={}, length=3)
+        _, state = jax.jit(lambda lg: stack().apply({}, lg, None, mutable=["intermediates"]))(logits)
+        return collect_indexer_losses(state["intermediates"])
+
+    losses = scanned("mean")
+    assert losses.shape == (3,)
+    rows = scanned("none")
+    assert rows.shape == (3, B, S)
+    np.testing.assert_allclose(np.asarray(rows).sum(axis=(1, 2)) > 0, True)
+    # A scanned stack next to an unscanned layer: one entry per layer, in layer order.
+    tree = {"layers_0": {"indexer_loss": (jnp.float32(5.0),)},
+            "layers_1": {"indexer_loss": (jnp.asarray([1.0, 2.0, 3.0]),)}}
+    np.testing.assert_array_equal(collect_indexer_losses(tree), [5.0, 1.0, 2.0, 3.0])
+
+
+def test_maxtext_config_masks_padding_segment_zero():
+    """from_maxtext_config sets padding_segment_id=0: rows of segment 0 (MaxText padding) leave the loss unless the
+    call passes loss_mask; padding_segment_id=None turns it off."""
+    logits, arrays, kw = _inputs(seed=9, packed=True)  # segment 0: the first 10 tokens
+    call = dict(window_kv=arrays["window_kv"], sinks=arrays["sinks"], **kw)
+    mt = _MaxTextCfg(indexer_loss_scaling_factor=1.0)
+    masked = CSAIndexerLoss.from_maxtext_config(mt, compress_ratio=M, implementation=IMPL)
+    assert masked.config.padding_segment_id == 0
+    plain = CSAIndexerLoss.from_maxtext_config(mt, compress_ratio=M, implementation=IMPL, padding_segment_id=None)
+    run = lambda mod, **extra: nnx.capture(mod, nnx.Intermediate)(logits, arrays["q"], arrays["compressed_kv"],
+                                                                   **call, **extra)[0]
+    want = csa_pallas.indexer_distill_loss(logits, arrays["q"], arrays["compressed_kv"], window_size=W,
+                                           loss_mask=kw["segment_ids"] != 0, implementation=IMPL, **call)
+    np.testing.assert_allclose(run(masked), want, rtol=1e-6)
+    everything = csa_pallas.indexer_distill_loss(logits, arrays["q"], arrays["compressed_kv"], window_size=W,
+                                                 implementation=IMPL, **call)
+    np.testing.assert_allclose(run(plain), everything, rtol=1e-6)
+    assert abs(float(want) - float(everything)) > 1e-5  # segment 0 did count before masking
+    explicit = jnp.ones((B, S), bool)
+    np.testing.assert_allclose(run(masked, loss_mask=explicit), everything, rtol=1e-6)
+
+
 def test_collect_indexer_losses_empty_and_nested_name():
     assert collect_indexer_losses({}).shape == (0,)
     # A submodule named like the sown value must be recursed into, not taken as a value.
@@ -236,7 +291,7 @@ class _MaxTextCfg:
 def test_from_maxtext_config_mapping():
     cfg = IndexerLossConfig.from_maxtext_config(_MaxTextCfg(), implementation=IMPL)
     assert cfg == IndexerLossConfig(compress_ratio=4, window_size=W, scale=0.1, head_chunk=None,
-                                    sparse_training=False, implementation=IMPL)
+                                    sparse_training=False, implementation=IMPL, padding_segment_id=0)
     as_dict = dict(indexer_loss_scaling_factor=2, indexer_sparse_training=True, mla_qk_head_chunk_size=2,
                    sliding_window_size=16)
     cfg = IndexerLossConfig.from_maxtext_config(as_dict, target="per_head", compress_ratio=8)

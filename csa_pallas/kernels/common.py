@@ -301,3 +301,12 @@ def scale_rows(ref, factor):
         return carry
 
     lax.fori_loop(0, width // LANES, body, 0)
+
+
+def nan_filled_rows(x):
+    """x [R, D] with every row holding a NaN or +-inf replaced by NaN (same dtype), inside a kernel: a -inf score
+    would otherwise silently drop a key (SPEC §3: a non-finite input makes the rows that read it NaN). Plain
+    arithmetic (x * 0 is 0 only for finite x), computed in f32."""
+    wide = x.astype(jnp.float32)
+    bad = jnp.max(jnp.where(wide * 0.0 == 0.0, 0.0, 1.0), axis=-1, keepdims=True)
+    return jnp.where(bad > 0.0, jnp.nan, wide).astype(x.dtype)

@@ -222,8 +222,9 @@ class TeacherWalk:
 
     def index_maps(self, *, head_chunk: int, group: int):
         """BlockSpec index maps named q ([B, S_p, H, D] blocks [bq, group, D]), kv, kmeta, row (per-query-tile
-        blocks of the resident output tile: qmeta, top-k indices, the output / logits / G) and lse (per (head chunk,
-        query tile) statistics of the pass-1 tile). Grid (rows * B, H / head_chunk, steps), 2 scalar prefetches."""
+        blocks of the resident output tile: qmeta, top-k indices, the output / logits / G), lse (per (head chunk,
+        query tile) statistics of the pass-1 tile), stats / qstats (per-row statistics [B, nq, 8, bq] of the output
+        tile / of the pass-1 tile). Grid (rows * B, H / head_chunk, steps), 2 scalar prefetches."""
         def view(p, c, step, firsts_ref, counts_ref):
             return self.decode(p, c, step, firsts_ref, counts_ref)
 
@@ -251,7 +252,12 @@ class TeacherWalk:
             v = view(p, c, step, firsts_ref, counts_ref)
             return v.b, v.out_qi, 0, 0
 
-        return dict(q=q_map, kv=kv_map, kmeta=kmeta_map, row=row_map, lse=lse_map, stats=stats_map)
+        def qstats_map(p, c, step, firsts_ref, counts_ref):  # [B, nq, 8, bq] per-row inputs of the pass-1 tile
+            v = view(p, c, step, firsts_ref, counts_ref)
+            return v.b, v.qi, 0, 0
+
+        return dict(q=q_map, kv=kv_map, kmeta=kmeta_map, row=row_map, lse=lse_map, stats=stats_map,
+                    qstats=qstats_map)
 
 
 def kernel_view(walk: TeacherWalk, firsts_ref, counts_ref) -> StepView:

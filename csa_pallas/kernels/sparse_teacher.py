@@ -288,7 +288,7 @@ def _kernel(tiles_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, idx_ref,
         lse2 = shift2 = None
         if mode != "per_head":
             lse2 = layout.block_to_column(lse_ref[...].astype(jnp.float32)) * rebase.LOG2E
-            shift2 = layout.block_to_column(shift_ref[...].astype(jnp.float32)) * rebase.LOG2E
+            shift2 = layout.query_to_view(common.rows_to_column(shift_ref[0:1, :])) * rebase.LOG2E  # per row
         b = rebase.head_log2_mass(mode, c2, lse2, shift2)
         top = jnp.broadcast_to(layout.per_query_max(b), (bq, LANES))
         if top_ref is not None:
@@ -430,7 +430,8 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
     ]
     operands = [q, kv, qmeta, kmeta, idx]
     if mode != "per_head":
-        in_specs += [pl.BlockSpec((None, None, None, *layout.view), maps["lse"])] * 2
+        in_specs += [pl.BlockSpec((None, None, None, *layout.view), maps["lse"]),
+                     pl.BlockSpec((None, None, common.SUBLANES, bq), maps["qstats"])]
         operands += list(lse_in)
     out_specs = pl.BlockSpec((None, bq, k_p), maps["row"])
     out_shape = jax.ShapeDtypeStruct((b, s_p, k_p), jnp.float32)
@@ -479,7 +480,7 @@ def sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, *, mo
             vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=dense_teacher.cost_estimate(
             q, kv, schedule, batch=b, head_chunk=hc, matmuls=1 if cache_scores else 2,
-            lse_inputs=0 if mode == "per_head" else 2, kl=kl, logits=logits,
+            lse_inputs=0 if mode == "per_head" else 1, kl=kl, logits=logits,
             output_bytes=0 if kl is not None else b * s_p * k_p * 4, extra_bytes=idx.size * 4),
         interpret=interpret,
         name=f"csa_sparse_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}{'_kl' if kl else ''}",

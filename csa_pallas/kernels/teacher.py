@@ -349,7 +349,7 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         lse2 = shift2 = None
         if mode != "per_head":
             lse2 = layout.block_to_column(lse_ref[...].astype(jnp.float32)) * LOG2E
-            shift2 = layout.block_to_column(shift_ref[...].astype(jnp.float32)) * LOG2E
+            shift2 = layout.query_to_view(common.rows_to_column(shift_ref[0:1, :])) * LOG2E  # sigma per row
         b = rebase.head_log2_mass(mode, c2, lse2, shift2)
         top = jnp.broadcast_to(layout.per_query_max(b), (bq, common.LANES))  # [bq, 128]
         if top_ref is not None:
@@ -597,7 +597,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         in_specs[2:4] = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
     operands = [q, kv, qmeta, kmeta]
     if mode != "per_head":
-        in_specs += [pl.BlockSpec((None, None, None, *layout.view), maps["lse"])] * 2
+        in_specs += [pl.BlockSpec((None, None, None, *layout.view), maps["lse"]),
+                     pl.BlockSpec((None, None, common.SUBLANES, bq), maps["qstats"])]
         operands += list(lse_in)
     out_specs = pl.BlockSpec((None, bq, n_p), maps["row"])
     out_shape = jax.ShapeDtypeStruct((b, s_p, n_p), jnp.float32)
@@ -647,7 +648,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=cost_estimate(q, kv, schedule, batch=b, head_chunk=hc, matmuls=1 if cached else 2,
-                                    lse_inputs=0 if mode == "per_head" else 2, kl=kl, logits=logits,
+                                    lse_inputs=0 if mode == "per_head" else 1, kl=kl, logits=logits,
                                     output_bytes=0 if kl is not None else b * s_p * n_p * 4),
         interpret=interpret,
         name=f"csa_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}_{kind}{'_cached' if cached else ''}"

@@ -127,7 +127,8 @@ def _kernel(q_ref, *refs, nq, num_kv_tiles, tiles, layout, block_k, group, windo
         """Masked scores of the step's i-th tile in base 2 (scale * log2(e) in one multiply), f32 [rows, bk]."""
         tile = first + k * tiles + i  # unclamped: a tile past `last` repeats `last` and must be masked out whole
         rows = q_ref[...].reshape(layout.rows, -1) if layout.token_major else rows_ref[...]
-        z = lax.dot_general(rows, kv_refs[i][...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        kv = common.nan_filled_rows(kv_refs[i][...])  # a key holding a non-finite value makes its scores NaN
+        z = lax.dot_general(rows, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         z = z * (scale * LOG2E)
         if iota_mask:
             # Default ids: query t sees keys (t - W, t] that exist; positions are iotas against static offsets.
