@@ -129,17 +129,23 @@ def _check_int(name: str, x) -> jax.Array:
 
 
 def canonical_topk(name: str, x, num_blocks: int) -> jax.Array:
-    """Top-k indices of any integer dtype -> int32 with every value outside [0, N) as -1 (SPEC §2: an empty slot,
-    never wrapped or truncated onto a valid block, also beyond the int32 range)."""
+    """Top-k indices of any integer dtype -> int32 (SPEC §2: a value outside [0, N) is an empty slot, never wrapped
+    or truncated onto a valid block, also beyond the int32 range). Dtypes that fit in int32 are cast (their values
+    are kept; out-of-range ones are empty downstream); wider ones (uint32, int64, uint64) have every value outside
+    [0, N) replaced by -1 before the cast."""
     _check_array(name, x)
     dt = _dtype(x)
     if not jnp.issubdtype(dt, jnp.integer):
         raise TypeError(f"{name}: expected an integer dtype, got {dt}")
+    info = jnp.iinfo(dt)
+    if info.min >= INT32.min and info.max <= INT32.max:
+        # int32 itself, or narrower: every value survives the cast, and the kernels and the reference treat any
+        # value outside [0, N) as an empty slot. No second [B, S, K] array (256 MiB at S = 128K) is made.
+        return x if dt == jnp.int32 and isinstance(x, jax.Array) else jnp.asarray(x).astype(jnp.int32)
     if isinstance(x, np.ndarray):  # exact in NumPy (an int64 array would be truncated by jnp.asarray without x64)
         valid = (x >= 0) & (x < num_blocks)
         return jnp.asarray(np.where(valid, x, -1).astype(np.int32))
     x = jnp.asarray(x)
-    info = jnp.iinfo(dt)
     valid = (x >= 0) if info.min < 0 else jnp.ones(x.shape, bool)
     if num_blocks <= info.max:
         valid = valid & (x < num_blocks)
