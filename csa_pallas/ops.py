@@ -237,21 +237,23 @@ def teacher_lse(problem: Problem) -> Optional[jax.Array]:
     return noncompressed_lse(problem)
 
 
-def lse_blocks(stats, problem: Problem, cfg, padded_seq: int, dtype, reduce_low=None):
+def lse_blocks(stats, problem: Problem, cfg, padded_seq: int, dtype, reduce_low=None, to_hbm=None):
     """The teacher's lse inputs: ((u or F) - sigma in the row layout's HBM form, sigma as row statistics
     [B, nq, 8, bq]), rows padded to padded_seq; None for per_head. sigma is the row's smallest u (or F) over all
     heads (`reference.row_shift`): it keeps every head weight an O(spread) number (`kernels.rebase`).
     reduce_low: combines the per-row minimum over the heads of this call with other shards of the heads (e.g. a
-    `lax.pmin` over the head axis): sigma must be one number per row for all heads."""
+    `lax.pmin` over the head axis): sigma must be one number per row for all heads. to_hbm: the kernel's layout of
+    the [B, S_p, H] shifted values (default: the teacher's row layout for cfg)."""
     if stats is None:
         return None
-    layout = teacher_kernel.resolve_row_layout(cfg, problem.num_heads, dtype)
+    if to_hbm is None:
+        to_hbm = teacher_kernel.resolve_row_layout(cfg, problem.num_heads, dtype).stats_to_hbm
     stats = jax.lax.stop_gradient(stats).astype(jnp.float32)
     low = row_low(stats)
     if reduce_low is not None:
         low = reduce_low(low)
     sigma = row_shift_from_low(low)
-    shifted = layout.stats_to_hbm(pad_axis(stats - sigma[..., None], 1, padded_seq))
+    shifted = to_hbm(pad_axis(stats - sigma[..., None], 1, padded_seq))
     return shifted, row_stats_to_hbm(sigma, padded_seq, cfg.block_q)
 
 

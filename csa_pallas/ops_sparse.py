@@ -2,20 +2,23 @@
 
 Data flow of `indexer_distill_loss` (sparse mode):
 
-  q, compressed_kv, topk_indices, ids ──> [window_lse kernel ─> u] ──> sparse teacher kernel
-      ──> P' (f32 [B,S,K], slot order, -1 on empty slots, stop-gradient)
-  P', indexer_logits ──> KL forward kernel (target_mask: V(t) = {P' >= 0}) ──> per-row KL, lse, sum P, non-empty
-  backward: KL backward kernel(P', logits, lse, cotangent) ──> dI;  zeros for every teacher input.
+  topk_indices, ids, loss_mask ──> slot bits (XLA: V(t)) ──> [visit path: block bits (Pallas), per-tile flags (XLA)]
+  q, compressed_kv, ids ──> [window_lse kernel ─> u] ──> sparse teacher kernel with the KL fused into its last step
+      ──> per-row KL, lse, sum P, non-empty ──> reduction (XLA);  under jax.grad: G [B, S, K], the only residual
+  backward: dI = per-row cotangent * G;  zeros for every teacher input.
 
-The raw top-k indices go to the kernel untouched (no validity pre-folding, which would cost a second [B, S, K]
-int32 array in HBM): the kernel matches them against the ids of the blocks of each kv tile and masks the match with
-the dense visibility, so -1 / out-of-range / future / other-document slots are simply never matched. The slot
-validity then travels to the KL inside P' itself (-1 sentinel), so the only [B, S, K]-sized temporary is P'.
+Two paths (`choose_path`): "visit", the teacher kernel (`kernels.teacher`) reading the selection
+(`kernels.selection`), and "gather", the K-proportional kernel (`kernels.sparse_gather`). The kernels read the
+top-k indices as given; V(t) travels as slot bits ([B, S, K / 32] int32) and the visit path's selection as block
+bits ([B, S, N / 32] int32): no [B, S, K]-sized array is made besides G (the gradient's residual).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from collections.abc import Mapping
 from typing import Optional
 
 import jax
@@ -28,7 +31,8 @@ from csa_pallas.kernels import common
 from csa_pallas.kernels import fused_kl
 from csa_pallas.kernels import runtime
 from csa_pallas.kernels import schedule as schedule_lib
-from csa_pallas.kernels import sparse_teacher
+from csa_pallas.kernels import selection
+from csa_pallas.kernels import sparse_gather
 from csa_pallas.kernels import teacher as teacher_kernel
 from csa_pallas.validation import Problem
 
@@ -36,83 +40,211 @@ from csa_pallas.validation import Problem
 MAX_KL_LANES = 2048
 
 
+PATHS = ("visit", "gather")
+# Dispatch (static, from N, K and the chip's VMEM): the K-proportional gather path once N >= GATHER_BLOCKS_PER_SLOT * K
+# (and its resident rows fit in VMEM), the dense-visit path below. See `choose_path`.
+GATHER_BLOCKS_PER_SLOT = 9
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseLayout:
-    cfg: teacher_kernel.TeacherConfig
-    schedule: schedule_lib.TileSchedule
-    qmeta: jax.Array  # int32 [B, S_p, 128]
-    kmeta: jax.Array  # int32 [B, 8, N_p]
-    tiles: jax.Array  # int32 [B*nq] first kv tile of each query tile
-    counts: jax.Array  # int32 [B*nq] number of kv tiles from there
-    padded_seq: int
+    """Static sizes of the sparse kernels: the path ("visit": the teacher kernel with a selection; "gather": the
+    K-proportional kernel), its config, the kv-tile schedule (visit) and the padded extents."""
+
+    cfg: object  # teacher.TeacherConfig (visit) or sparse_gather.GatherConfig (gather)
+    schedule: Optional[schedule_lib.TileSchedule]
+    padded_seq: int  # a multiple of block_q and of the bit kernels' rows (`selection.build_rows`)
     padded_blocks: int
     padded_width: int
+    path: str = "visit"
 
 
-def _tile_need(problem: Problem, qmeta, kmeta, cfg, s_p: int, n_p: int):
-    """Dense-style conservative table, intersected with [min, max] of each query tile's in-range indices."""
-    need = common.tile_need(qmeta, kmeta, cfg.block_q, cfg.block_k)  # [B, nq, nk]
-    b, s, k = problem.topk_indices.shape
-    n = problem.num_blocks
-    idx = ops.pad_axis(problem.topk_indices.astype(jnp.int32), 1, s_p, -1)
-    idx = idx.reshape(b, s_p // cfg.block_q, cfg.block_q * k)
-    in_range = (idx >= 0) & (idx < n)
-    lo = jnp.min(jnp.where(in_range, idx, n_p), axis=-1)  # [B, nq]
-    hi = jnp.max(jnp.where(in_range, idx, -1), axis=-1)
-    tile_lo = jnp.arange(n_p // cfg.block_k, dtype=jnp.int32) * cfg.block_k
-    tile_hi = tile_lo + cfg.block_k - 1
-    overlap = (tile_hi[None, None, :] >= lo[..., None]) & (tile_lo[None, None, :] <= hi[..., None])
-    return need & overlap
+def choose_path(problem: Problem, forced: Optional[str] = None, gather_fits: bool = True) -> str:
+    """"gather" when N >= GATHER_BLOCKS_PER_SLOT * K (and its resident rows fit in VMEM), else "visit"; `forced`
+    (the config's "path") overrides. The visit path visits every causally visible kv tile some query of the tile
+    selected from, ~N/2 (query, block) pairs per query for a selection spread over the whole past; the gather path
+    costs ~K gathered rows per query (~2 bundles each, plus a [H, D] x [D, K] product) whatever the selection.
+    Static v5p estimates at the Flash shape, K = 512, uniform selections, forward + backward per_head: S = 16K visit
+    7.1 / gather 7.8 ms, S = 32K 26.0 / 15.7 ms (visit grows as S^2, gather as S): they cross near S = 18K,
+    N = 9 K. A selection concentrated on recent blocks (banded) skips most of the visit path's tiles, so below the
+    crossover the visit path is the better worst case and far better for local selections."""
+    if forced is not None:
+        if forced not in PATHS:
+            raise ValueError(f"config: 'path' expected one of {PATHS}, got {forced!r}")
+        if forced == "gather" and not gather_fits:
+            raise ValueError("config: path 'gather' needs the compressed KV of one batch element resident in VMEM "
+                             f"({problem.num_blocks} blocks x {problem.head_dim} does not fit)")
+        return forced
+    return "gather" if problem.num_blocks >= GATHER_BLOCKS_PER_SLOT * problem.width and gather_fits else "visit"
 
 
 def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLayout:
-    """cfg: a `TeacherConfig`, or a Mapping of its fields overriding the heuristic default (None: the default).
-    kl_logits_dtype: size the default tiles for the fused-KL kernel (the loss path)."""
+    """cfg: a `TeacherConfig` (the visit path), or a Mapping of fields overriding the heuristic default: "path"
+    ("visit" | "gather"), then the chosen path's config fields (`teacher.TeacherConfig` or
+    `sparse_gather.GatherConfig`). kl_logits_dtype: size the default tiles for the fused-KL kernel (the loss path)."""
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
-    overrides = None if isinstance(cfg, teacher_kernel.TeacherConfig) else cfg
-    cfg = sparse_teacher.sparse_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
-                                       seq_len=problem.seq_len, num_blocks=problem.num_blocks,
-                                       width=problem.width, dtype=dtype, mode=ops.teacher_mode(problem),
-                                       head_chunk=problem.head_chunk, cfg=None if overrides is not None else cfg,
-                                       kl_logits_dtype=kl_logits_dtype)
-    cfg = teacher_kernel.with_overrides(cfg, overrides)
-    s_p = common.round_up(problem.seq_len, cfg.block_q)
+    overrides = dict(cfg) if isinstance(cfg, Mapping) else None
+    forced = overrides.pop("path", None) if overrides is not None else None
+    k_p = common.round_up(problem.width, common.LANES)
+    n8 = common.round_up(max(problem.num_blocks, 1), common.SUBLANES)
+    gather_cfg = sparse_gather.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
+                                              num_blocks_padded=n8, width_p=k_p, dtype=dtype,
+                                              kl_logits_dtype=kl_logits_dtype)
+    path = "visit" if isinstance(cfg, teacher_kernel.TeacherConfig) else choose_path(
+        problem, forced, gather_cfg is not None)
+    if path == "gather":
+        fields = {f.name for f in dataclasses.fields(sparse_gather.GatherConfig)}
+        unknown = sorted(set(overrides or {}) - fields)
+        if unknown:
+            raise ValueError(f"config: unknown field {unknown[0]!r} for path 'gather'; expected some of "
+                             f"{sorted(fields | {'path'})} (the teacher kernel's fields need config 'path': 'visit')")
+        gather_cfg = dataclasses.replace(gather_cfg, **(overrides or {}))
+        s_p = common.round_up(problem.seq_len, math.lcm(gather_cfg.block_q, selection.build_rows(problem.seq_len)))
+        return SparseLayout(cfg=gather_cfg, schedule=None, padded_seq=s_p, padded_blocks=n8, padded_width=k_p,
+                            path="gather")
+    cfg = overrides if overrides is not None else cfg
+    if not isinstance(cfg, teacher_kernel.TeacherConfig):
+        default = teacher_kernel.default_config(
+            num_heads=problem.num_heads, head_dim=problem.head_dim, seq_len=problem.seq_len,
+            num_blocks=problem.num_blocks, width=problem.width, dtype=dtype, mode=ops.teacher_mode(problem),
+            head_chunk=problem.head_chunk, kl_logits_dtype=kl_logits_dtype)
+        cfg = teacher_kernel.with_overrides(default, cfg)
+    s_p = common.round_up(problem.seq_len, math.lcm(cfg.block_q, selection.build_rows(problem.seq_len)))
     n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
     k_p = common.round_up(problem.width, common.LANES)
-    qmeta = common.query_meta(problem.segment_ids, ops.query_positions(problem), s_p)
-    block_segment, block_end = reference.block_keys(problem)
-    kmeta = common.key_meta(block_segment, block_end, n_p, masks.INVALID_BLOCK_END)
-    tiles, counts = common.tile_ranges(_tile_need(problem, qmeta, kmeta, cfg, s_p, n_p))
-    schedule = schedule_lib.TileSchedule(causal=ops.causal_schedule(problem), nq=s_p // cfg.block_q,
+    # Default positions: the causal prefix of each query tile is static (the selection already holds V(t), so
+    # a loss_mask needs no table schedule here); otherwise the ranges come from the selected tiles.
+    schedule = schedule_lib.TileSchedule(causal=problem.default_ids, nq=s_p // cfg.block_q,
                                          nk=n_p // cfg.block_k, block_q=cfg.block_q, block_k=cfg.block_k,
                                          ratio=problem.compress_ratio, num_blocks=problem.num_blocks)
-    return SparseLayout(cfg=cfg, schedule=schedule, qmeta=qmeta, kmeta=kmeta, tiles=tiles, counts=counts,
-                        padded_seq=s_p, padded_blocks=n_p, padded_width=k_p)
+    return SparseLayout(cfg=cfg, schedule=schedule, padded_seq=s_p, padded_blocks=n_p, padded_width=k_p,
+                        path="visit")
+
+
+def normalize_slots(head_sum: jax.Array) -> jax.Array:
+    """L1 normalisation of slot-order head sums, f32 [..., K_p]; negative entries (empty slots, possibly summed
+    over several shards) become `teacher.EMPTY_SLOT`."""
+    valid = head_sum >= 0.0
+    acc = jnp.where(valid, head_sum, 0.0)
+    total = jnp.sum(acc, axis=-1, keepdims=True)
+    return jnp.where(valid, acc / jnp.maximum(total, common.F32_TINY), teacher_kernel.EMPTY_SLOT)
+
+
+def slot_validity(problem: Problem) -> jax.Array:
+    """bool [B, S, K]: slot k of row t is in V(t) (SPEC §2) and the row takes part in the loss."""
+    idx = problem.topk_indices
+    if problem.default_ids:  # block s is complete at t = (s + 1) m - 1: s < (t + 1) // m (no int32 overflow)
+        limit = jnp.minimum((problem.positions + 1) // problem.compress_ratio, problem.num_blocks)
+        valid = (idx >= 0) & (idx < limit[:, :, None])
+    else:
+        block_segment, block_end = reference.block_keys(problem)
+        valid = masks.slot_visible(idx, problem.segment_ids, problem.positions, block_segment, block_end)
+    if problem.loss_mask is not None:
+        valid = valid & problem.loss_mask[:, :, None]
+    return valid
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The selection in the forms the sparse teacher reads (`kernels.selection`)."""
+
+    idx: jax.Array  # int32 [B, S_p, K_p] the top-k indices (padded with -1)
+    vbits: jax.Array  # int32 [B, S_p, K_p / 32] slot bits: V(t)
+    bits: jax.Array  # int32 [B, S_p, W_p] block bits
+    tables: jax.Array  # int32 [B * nq * (1 + nkw)] duplicate and active-tile flags
+    firsts: jax.Array  # int32 [B * nq] first kv tile of each query tile (table schedule)
+    counts: jax.Array  # int32 [B * nq] number of kv tiles from there
+
+
+def padded_indices(problem: Problem, layout: SparseLayout) -> jax.Array:
+    """The caller's top-k indices int32 [B, S_p, K_p], padded with -1 (no copy when S and K are already aligned)."""
+    idx = problem.topk_indices.astype(jnp.int32)
+    return ops.pad_axis(ops.pad_axis(idx, 1, layout.padded_seq, -1), 2, layout.padded_width, -1)
+
+
+def padded_slot_bits(problem: Problem, layout: SparseLayout, idx=None) -> jax.Array:
+    """V(t) as slot bits (`selection.slot_bits_pallas`): int32 [B, S_p, K_p / 32] (padding rows and slots empty).
+    Default positions: from the rows' limits (no [B, S, K]-sized temporary); packed documents: the validity is
+    computed in XLA (it gathers the blocks' metadata) and packed as int8."""
+    idx = padded_indices(problem, layout) if idx is None else idx
+    interpret = runtime.interpret_mode()
+    rows = selection.build_rows(problem.seq_len)
+    if problem.default_ids:
+        limit = jnp.minimum((problem.positions + 1) // problem.compress_ratio, problem.num_blocks)
+        if problem.loss_mask is not None:
+            limit = jnp.where(problem.loss_mask, limit, 0)
+        limit = ops.pad_axis(limit.astype(jnp.int32), 1, layout.padded_seq)[:, None, :]  # padding rows: 0
+        return selection.slot_bits_pallas(idx, limit=limit, rows=rows, interpret=interpret)
+    valid = slot_validity(problem)
+    valid = ops.pad_axis(ops.pad_axis(valid, 1, layout.padded_seq, False), 2, layout.padded_width, False)
+    return selection.slot_bits_pallas(idx, valid=valid.astype(jnp.int8), rows=rows, interpret=interpret)
+
+
+def selection_inputs(problem: Problem, layout: SparseLayout) -> Selection:
+    cfg, schedule = layout.cfg, layout.schedule
+    idx = padded_indices(problem, layout)
+    vbits = padded_slot_bits(problem, layout, idx)
+    bits = selection.block_bits_pallas(idx, vbits, layout.padded_blocks, rows=selection.build_rows(problem.seq_len),
+                                       interpret=runtime.interpret_mode())
+    tables, active = selection.tile_tables(bits, vbits, block_q=cfg.block_q, block_k=cfg.block_k,
+                                           num_kv_tiles=schedule.nk)
+    if schedule.causal:
+        firsts = counts = jnp.zeros((problem.batch * schedule.nq,), jnp.int32)
+    else:
+        firsts, counts = common.tile_ranges(active)
+    return Selection(idx=idx, vbits=vbits, bits=bits, tables=tables, firsts=firsts, counts=counts)
 
 
 def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
-    """(mode, q, kv, idx, lse_in): the sparse teacher kernel's padded operands (stop-gradient); reduce_low: see
-    `ops.lse_blocks`."""
+    """(mode, q, kv, lse_in): the sparse kernels' padded operands (stop-gradient; the gather path's kv as its
+    resident rows, `sparse_gather.resident_rows`); reduce_low: see `ops.lse_blocks`."""
     cfg = layout.cfg
     mode = ops.teacher_mode(problem)
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
     q = ops.pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
     kv = ops.nan_filled_rows(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype))
     kv = ops.pad_axis(kv, 1, layout.padded_blocks)
-    idx = problem.topk_indices.astype(jnp.int32)
-    idx = ops.pad_axis(ops.pad_axis(idx, 1, layout.padded_seq, -1), 2, layout.padded_width, -1)
-    lse_in = ops.lse_blocks(ops.teacher_lse(problem), problem, cfg, layout.padded_seq, dtype, reduce_low)
-    return mode, q, kv, idx, lse_in
+    to_hbm = None
+    if layout.path == "gather":
+        kv = sparse_gather.resident_rows(kv)
+        to_hbm = lambda shifted: shifted  # [B, S_p, H]: per-step [bq, H] blocks
+    lse_in = ops.lse_blocks(ops.teacher_lse(problem), problem, cfg, layout.padded_seq, dtype, reduce_low,
+                            to_hbm=to_hbm)
+    return mode, q, kv, lse_in
+
+
+def _launch(problem: Problem, layout: SparseLayout, operands, *, mode, normalize=True, kl=None, logits=None,
+            interpret=None):
+    """The sparse teacher of the layout's path on prepared operands (q, kv, lse_in, the top-k indices, the slot
+    bits, and for the visit path the block bits, ranges and tables)."""
+    interpret = runtime.interpret_mode() if interpret is None else interpret
+    q, kv, lse_in, idx, vbits, *visit = operands
+    if layout.path == "gather":
+        return sparse_gather.sparse_gather_pallas(q, kv, idx, vbits, lse_in, mode=mode, cfg=layout.cfg,
+                                                  scale=problem.softmax_scale, normalize=normalize, kl=kl,
+                                                  logits=logits, interpret=interpret)
+    bits, firsts, counts, tables = visit
+    return teacher_kernel.teacher_pallas(q, kv, None, None, firsts, counts, lse_in, mode=mode, cfg=layout.cfg,
+                                         scale=problem.softmax_scale, schedule=layout.schedule, normalize=normalize,
+                                         seq_len=problem.seq_len, kl=kl, logits=logits,
+                                         picks=(idx, vbits, bits, tables), interpret=interpret)
+
+
+def kernel_operands(problem: Problem, layout: SparseLayout, reduce_low=None):
+    """(mode, operands of `_launch`)."""
+    mode, q, kv, lse_in = teacher_inputs(problem, layout, reduce_low)
+    if layout.path == "gather":
+        idx = padded_indices(problem, layout)
+        return mode, (q, kv, lse_in, idx, padded_slot_bits(problem, layout, idx))
+    sel = selection_inputs(problem, layout)
+    return mode, (q, kv, lse_in, sel.idx, sel.vbits, sel.bits, sel.firsts, sel.counts, sel.tables)
 
 
 def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = True, reduce_low=None):
     """P' f32 [B, S_p, K_p]: slot-order target on valid slots, -1 on empty slots (and padding). normalize=False:
     (the unnormalised slot head sum, the rows' M f32 [B, S_p], base 2), see `ops.teacher_padded`."""
-    mode, q, kv, idx, lse_in = teacher_inputs(problem, layout, reduce_low)
-    out = sparse_teacher.sparse_teacher_pallas(q, kv, layout.qmeta, layout.kmeta, idx, layout.tiles,
-                                               layout.counts, lse_in, mode=mode, cfg=layout.cfg,
-                                               scale=problem.softmax_scale, schedule=layout.schedule,
-                                               normalize=normalize, interpret=runtime.interpret_mode())
+    mode, operands = kernel_operands(problem, layout, reduce_low)
+    out = _launch(problem, layout, operands, mode=mode, normalize=normalize)
     if normalize:
         return jax.lax.stop_gradient(out)
     head_sum, rowmax = out
@@ -146,21 +278,37 @@ def kl_rows(indexer_logits, target_padded, layout: SparseLayout):
                               schedule=schedule, target_mask=True)
 
 
-def _run_sparse(static: ops.FusedStatic, kl, logits, operands):
-    q, kv, idx, lse_in, qmeta, kmeta, tiles, counts = operands
-    return sparse_teacher.sparse_teacher_pallas(q, kv, qmeta, kmeta, idx, tiles, counts, lse_in, mode=static.mode,
-                                                cfg=static.cfg, scale=static.scale, schedule=static.schedule,
-                                                kl=kl, logits=logits, interpret=static.interpret)
+@dataclasses.dataclass(frozen=True)
+class _FusedSparse:
+    """FusedStatic.run for sparse mode: launches the layout's path with the fused KL."""
+
+    problem_static: tuple  # (softmax_scale, num_blocks, head_dim, seq_len): what `_launch` reads of the problem
+    layout: SparseLayout
+
+    def __call__(self, static: ops.FusedStatic, kl, logits, operands):
+        scale, num_blocks, head_dim, seq_len = self.problem_static
+        problem = _StaticProblem(softmax_scale=scale, num_blocks=num_blocks, head_dim=head_dim, seq_len=seq_len)
+        return _launch(problem, self.layout, operands, mode=static.mode, kl=kl, logits=logits,
+                       interpret=static.interpret)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StaticProblem:
+    softmax_scale: float
+    num_blocks: int
+    head_dim: int
+    seq_len: int
 
 
 def fused_kl_rows(indexer_logits, problem: Problem, layout: SparseLayout,
                   kl_chunk: int = fused_kl.FusedKL.chunk):
-    """Per-row KL over the K slots [B, S] and the non-empty mask [B, S] from the sparse teacher kernel with the
-    fused KL (P stays in VMEM; V(t) = the row's valid slots)."""
-    mode, q, kv, idx, lse_in = teacher_inputs(problem, layout)
-    static = ops.FusedStatic(_run_sparse, mode, layout.cfg, layout.schedule, problem.softmax_scale,
-                             problem.seq_len, runtime.interpret_mode(), layout.cfg.kl_chunk or kl_chunk)
-    operands = (q, kv, idx, lse_in, layout.qmeta, layout.kmeta, layout.tiles, layout.counts)
+    """Per-row KL over the K slots [B, S] and the non-empty mask [B, S] from the sparse teacher kernel (either
+    path) with the fused KL (P stays in VMEM; V(t) = the row's valid slots)."""
+    mode, operands = kernel_operands(problem, layout)
+    run = _FusedSparse((problem.softmax_scale, problem.num_blocks, problem.head_dim, problem.seq_len), layout)
+    chunk = (getattr(layout.cfg, "kl_chunk", None) or kl_chunk)
+    static = ops.FusedStatic(run, mode, layout.cfg, layout.schedule, problem.softmax_scale, problem.seq_len,
+                             runtime.interpret_mode(), chunk)
     return ops.fused_rows(indexer_logits, static, operands, padded_seq=layout.padded_seq,
                           padded_width=layout.padded_width)
 

@@ -130,7 +130,7 @@ def head_log_mass(problem: Problem, compressed_lse) -> jax.Array:
     sigma = row_shift(u)
     shifted = u - sigma
     d = (shifted - compressed_lse) + sigma
-    b = jnp.where(d > 0, (compressed_lse - shifted) - jnp.log1p(jnp.exp(-d)), sigma - jnp.log1p(jnp.exp(d)))
+    b = jnp.where(d > 0, compressed_lse - shifted, sigma) - jnp.log1p(jnp.exp(-jnp.abs(d)))
     return jnp.where(empty, -jnp.inf, b)
 
 

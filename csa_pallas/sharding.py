@@ -36,7 +36,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from csa_pallas import api
 from csa_pallas import reference
 from csa_pallas import validation
-from csa_pallas.kernels import sparse_teacher
 from csa_pallas.kernels import teacher as teacher_kernel
 from csa_pallas.validation import Problem
 
@@ -267,7 +266,7 @@ def _local_target(local: dict, problem: Problem, axes: MeshAxes, num_seq_shards:
     rows_problem = _kl_rows_problem(shard, axes, num_head_shards)
     kl_layout = _layout(path, rows_problem)
     if shard.sparse:
-        target, fill, width_p = sparse_teacher.normalize_slots(mine), sparse_teacher.EMPTY_SLOT, kl_layout.padded_width
+        target, fill, width_p = ops_sparse.normalize_slots(mine), teacher_kernel.EMPTY_SLOT, kl_layout.padded_width
     else:
         target, fill, width_p = teacher_kernel.normalize_rows(mine), 0.0, kl_layout.padded_blocks
     target = ops.pad_axis(ops.pad_axis(target, 1, kl_layout.padded_seq, fill), 2, width_p, fill)

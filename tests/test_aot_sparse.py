@@ -1,8 +1,10 @@
 """v5p AOT compiles of the sparse (top-k) kernels (real Mosaic + XLA:TPU compilers on a CPU host).
 
-Forward + backward at the DeepSeek-V4-Flash shape (B=1, H=64, D=512, m=4, W=128, K=512, bf16) for S=4096 (N=1024)
-, S=32768 (N=8192) and S=131072 (N=32768), both targets: the program must compile and its temp HBM must stay
-<= 1.25 x one [B, S, K] f32 array + 64 MiB.
+Forward + backward at the DeepSeek-V4-Flash shape (B=1, H=64, D=512, m=4, W=128, K=512, bf16) for S=4096 (N=1024,
+the visit path), S=32768 (N=8192) and S=131072 (N=32768) (the gather path), both targets, plus the visit path
+forced at 32K and V4-Pro widths (H=128, K=1024): the program must compile and its temp HBM must stay
+<= 1.25 x one [B, S, K] f32 array + 64 MiB (the valid-slot index array, the selection's bits and the gather path's
+resident rows included).
 """
 
 import jax
@@ -16,14 +18,16 @@ from aot_cases import require_libtpu
 MiB = 1 << 20
 
 
-def sparse_program(target, head_chunk=None, *, window=128, ratio=4):
+def sparse_program(target, head_chunk=None, *, window=128, ratio=4, cfg=None, expect_path=None):
     def program(logits, q, compressed_kv, topk, window_kv, sinks):
         def loss(x):
             kwargs = dict(window_kv=window_kv, sinks=sinks) if target == "joint" else {}
             problem = validation.validate(q, compressed_kv, topk_indices=topk, target=target, window_size=window,
                                           compress_ratio=ratio, head_chunk=head_chunk, implementation="pallas",
                                           **kwargs)
-            return ops_sparse.indexer_distill_loss(x, problem)
+            if expect_path is not None:
+                assert ops_sparse.sparse_layout(problem, cfg).path == expect_path
+            return ops_sparse.indexer_distill_loss(x, problem, cfg=cfg)
         return jax.value_and_grad(loss)(logits)
     return program
 
@@ -39,7 +43,8 @@ def input_structs(seq, *, width=512, batch=1, heads=64, head_dim=512, ratio=4, d
 @pytest.mark.parametrize("target", ["per_head", "joint"])
 def test_sparse_flash_shape_forward_backward_compiles_within_memory_bound(seq, target):
     require_libtpu()
-    report = aot.compile_memory(sparse_program(target), *input_structs(seq))
+    path = "visit" if seq == 4096 else "gather"
+    report = aot.compile_memory(sparse_program(target, expect_path=path), *input_structs(seq))
     one_target = seq * 512 * 4
     bound = 1.25 * one_target + 64 * MiB
     print(f"sparse AOT S={seq} {target}: {report}")
@@ -50,3 +55,17 @@ def test_sparse_head_major_rows_compile():
     # head_chunk 8 with bf16 is not a whole sublane tile: head-major rows; K=256 < N=256 tiles of 2.
     require_libtpu()
     aot.compile_for_tpu(sparse_program("joint", 8), *input_structs(1024, width=256))
+
+
+@pytest.mark.parametrize("name, seq, heads, width, cfg, path", [
+    ("flash_visit_forced", 32768, 64, 512, {"path": "visit"}, "visit"),
+    ("pro_k1024", 32768, 128, 1024, None, "visit"),
+    ("pro_k1024_gather", 131072, 128, 1024, None, "gather"),
+])
+def test_sparse_long_context_paths_compile_within_memory_bound(name, seq, heads, width, cfg, path):
+    require_libtpu()
+    report = aot.compile_memory(sparse_program("per_head", cfg=cfg, expect_path=path),
+                                *input_structs(seq, width=width, heads=heads))
+    bound = 1.25 * seq * width * 4 + 64 * MiB
+    print(f"sparse AOT {name} S={seq}: {report}")
+    assert 0 < report.temp_bytes <= bound, (report, bound)

@@ -1,22 +1,20 @@
 """Every grid step of every teacher walk, enumerated in pure Python (no kernel runs).
 
-For each walk (plain with a cached or a walked pass 2, pairs, merged; causal or table-driven schedules; the
-sparse teacher's variants) this checks that the index maps fetch exactly the tiles the kernel's decode names,
+For each walk (plain with a cached or a walked pass 2, pairs, merged; causal or table-driven schedules; sparse
+mode walks the same plain walks) this checks that the index maps fetch exactly the tiles the kernel's decode names,
 that every needed kv tile is visited once per pass and head chunk, that an output tile's pass 2 comes after all of
 its pass 1, and that wherever the kernel reads a kv block or key metadata the resident tile is the one it computes
 (the sparse cache bug of issue 13 was such a disagreement: a cached-score pass 2 recomputing slot weights from
-metadata that the index map had clamped to the last tile).
+metadata that the index map had clamped to the last tile; sparse mode now reads no key metadata at all).
 """
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
 
 from csa_pallas.kernels import schedule as schedule_lib
-from csa_pallas.kernels import sparse_teacher
 
 
 def causal(nq, nk, block_q=16, block_k=128, ratio=4, num_blocks=None):
@@ -123,20 +121,3 @@ def test_pair_walk_needs_the_causal_schedule():
         schedule_lib.TeacherWalk(s, kind="pairs", cached_pass2=True)
     with pytest.raises(ValueError, match="walk: 'merged'"):
         schedule_lib.TeacherWalk(causal(16, 1, 16, 16, 32, num_blocks=8), kind="merged", cached_pass2=True)
-
-
-@pytest.mark.parametrize("cache_scores, cache_weights", list(itertools.product([True, False], repeat=2)))
-@pytest.mark.parametrize("causal_schedule", [True, False])
-def test_sparse_teacher_walk_keeps_what_pass_2_reads_resident(cache_scores, cache_weights, causal_schedule):
-    """The sparse teacher's pass 2 reads the kv block unless the scores are cached, and the key metadata unless the
-    slot weights are cached (it recomputes them): its walk must keep exactly those following the walk."""
-    if causal_schedule:
-        s, firsts, counts = causal(4, 3), None, None
-    else:
-        s, firsts, counts = table(4, 3, seed=2, batch=2)
-    walk = sparse_teacher.teacher_walk(s, cache_scores=cache_scores, cache_weights=cache_weights)
-    reads = sparse_teacher.pass2_reads(cache_scores=cache_scores, cache_weights=cache_weights)
-    check_walk(walk, batch=2, chunks=2, firsts=firsts, counts=counts, reads_kv_pass2=reads["kv"],
-               reads_meta_pass2=reads["meta"])
-    if cache_scores and not cache_weights:  # the issue-13 bug configuration: metadata must follow the walk
-        assert walk.pass2_meta == "walk"

@@ -13,7 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import csa_pallas
 from csa_pallas import ops_sparse, reference, validation
-from csa_pallas.kernels import runtime, sparse_teacher
+from csa_pallas.kernels import runtime, slot_counts
 from csa_pallas.kernels.teacher import TeacherConfig
 
 from kernel_cases import TEACHER_KEYS, assert_matches, make_case
@@ -56,6 +56,7 @@ def _problem(arrays, *, target, ratio, window, head_chunk):
 @functools.lru_cache(maxsize=None)
 def _runner(target, ratio, window, head_chunk, reduction, scale, cfg, interpret, public):
     del interpret  # part of the cache key: the kernels read it at trace time
+    cfg = dict(cfg) if isinstance(cfg, tuple) else cfg
 
     def run(arrays):
         problem = _problem(arrays, target=target, ratio=ratio, window=window, head_chunk=head_chunk)
@@ -87,6 +88,7 @@ def _runner(target, ratio, window, head_chunk, reduction, scale, cfg, interpret,
 
 def run_case(arrays, *, target="joint", ratio=4, window=16, head_chunk: Optional[int] = None, reduction="mean",
              scale=1.0, cfg=None, public=False):
+    """cfg: a TeacherConfig, or config overrides as a tuple of (field, value) pairs (hashable)."""
     out = _runner(target, ratio, window, head_chunk, reduction, scale, cfg, runtime.interpret_mode(), public)(arrays)
     return {k: np.asarray(v, np.float64) for k, v in out.items()}
 
@@ -101,18 +103,20 @@ def run_case(arrays, *, target="joint", ratio=4, window=16, head_chunk: Optional
     num_docs=st.integers(1, 3),
     bf16=st.booleans(),
     chunk_pick=st.integers(0, 2),
-    tiles=st.sampled_from(["default", "small"]),
+    tiles=st.sampled_from(["default", "small", "gather"]),
     seed=st.integers(0, 2**16),
 )
 def test_sparse_kernels_match_reference(seq, heads, head_dim, width_kind, target, num_docs, bf16, chunk_pick, tiles,
                                         seed):
+    """Both sparse paths (the teacher kernel with a selection, default or small tiles; the gather kernel)."""
     n = seq // 4
     width = {"lt": max(1, n // 2), "eq": max(1, n), "gt": n + 7}[width_kind]
     divisors = [d for d in range(1, heads + 1) if heads % d == 0]
     head_chunk = divisors[chunk_pick % len(divisors)]
     arrays = sparse_case(seed, width=width, seq=seq, heads=heads, head_dim=head_dim, num_docs=num_docs,
                          dtype=jnp.bfloat16 if bf16 else jnp.float32)
-    cfg = None if tiles == "default" else small_tiles(head_chunk)
+    cfg = {"default": None, "small": small_tiles(head_chunk),
+           "gather": (("path", "gather"), ("unroll_slots", False))}[tiles]
     out = run_case(arrays, target=target, head_chunk=head_chunk, cfg=cfg)
     assert_matches(out)
 
@@ -183,14 +187,14 @@ def test_packed_multiplicity_matches_a_direct_count(block_q, block_k, width, bas
     idx[1, :] = base + block_k - 1
     idx[2, ::2], idx[2, 1::2] = np.iinfo(np.int32).min, np.iinfo(np.int32).max
     idx[3, :] = -1
-    fold = sparse_teacher.slot_fold_width(block_q)
+    fold = slot_counts.slot_fold_width(block_q)
 
     def kernel(idx_ref, packed_ref, row_major_ref, idx_t_ref):
-        idx_t_ref[...] = sparse_teacher.transpose_slots(idx_ref[...], fold)
-        packed_ref[...] = sparse_teacher._multiplicity_transposed(idx_t_ref, base, block_q=block_q,
-                                                                  block_k=block_k, fold=fold)
-        row_major_ref[...] = sparse_teacher._multiplicity(idx_ref, base, block_q=block_q, block_k=block_k,
-                                                          width_p=width)
+        idx_t_ref[...] = slot_counts.transpose_slots(idx_ref[...], fold)
+        packed_ref[...] = slot_counts.multiplicity_transposed(idx_t_ref, base, block_q=block_q, block_k=block_k,
+                                                              fold=fold)
+        row_major_ref[...] = slot_counts.multiplicity(idx_ref, base, block_q=block_q, block_k=block_k,
+                                                      width_p=width)
 
     packed, row_major = pl.pallas_call(
         kernel, out_shape=[jax.ShapeDtypeStruct((block_q, block_k), jnp.int32)] * 2,

@@ -4,9 +4,8 @@ for v5p (AOT on this host).
 A variant is a field of `TeacherConfig` (score cache, slot-weight cache, the plain / pairs / merged walks,
 straight-line or looped cached pass 2, token- or head-major rows, one- or two-sweep fused KL, the transposed or
 row-major multiplicity, head chunks, causal or table schedules). The heuristics pick one per shape; these tests
-pick each of them on purpose, so no path is only reached by a shape nobody runs. The sparse case
-`sparse_cached_scores_no_weight_cache` is the configuration of issue 13's cache bug (pass 2 masking kv tile k with
-the last tile's metadata).
+pick each of them on purpose, so no path is only reached by a shape nobody runs. Sparse mode has two paths (the
+teacher kernel reading the selection, and the K-proportional gather kernel), forced with config "path".
 """
 
 from __future__ import annotations
@@ -57,21 +56,25 @@ VARIANTS = {
                                                                         cache_scores=True), dict(walk="plain")),
     "dense_table_two_pass": (False, dict(seq=256, ratio=1, num_docs=3), dict(block_q=16, block_k=128,
                                                                           cache_scores=False), dict(walk="plain")),
-    # Sparse (2 kv tiles of 128: pass 2 must mask tile k with tile k's metadata).
-    "sparse_cached_scores_no_weight_cache": (True, dict(seq=256, ratio=1), dict(
-        block_q=16, block_k=128, cache_scores=True, cache_weights=False), {}),
-    "sparse_cached_scores_and_weights": (True, dict(seq=256, ratio=1), dict(
-        block_q=16, block_k=128, cache_scores=True, cache_weights=True), {}),
-    "sparse_no_caches": (True, dict(seq=256, ratio=1), dict(block_q=16, block_k=128, cache_scores=False,
-                                                           cache_weights=False), {}),
-    "sparse_weight_cache_only": (True, dict(seq=256, ratio=1, num_docs=2), dict(
-        block_q=16, block_k=128, cache_scores=False, cache_weights=True), {}),
-    "sparse_row_major_multiplicity": (True, dict(seq=256, ratio=1), dict(block_q=16, block_k=128,
+    # Sparse, the teacher kernel with a selection (2 kv tiles of 128; duplicates in every case: the exact-count
+    # branch runs on the tiles that hold them, the bits on the others).
+    "sparse_visit_cached": (True, dict(seq=256, ratio=1), dict(block_q=16, block_k=128, cache_scores=True), {}),
+    "sparse_visit_two_pass": (True, dict(seq=256, ratio=1), dict(block_q=16, block_k=128, cache_scores=False), {}),
+    "sparse_visit_table": (True, dict(seq=256, ratio=1, num_docs=2), dict(block_q=16, block_k=128,
+                                                                       cache_scores=True), {}),
+    "sparse_visit_row_major_counts": (True, dict(seq=256, ratio=1), dict(block_q=16, block_k=128,
                                                                         slot_fold=False), {}),
-    "sparse_head_major_rows": (True, dict(seq=256, ratio=1, heads=16, dtype=jnp.bfloat16), dict(
+    "sparse_visit_head_major_rows": (True, dict(seq=256, ratio=1, heads=16, dtype=jnp.bfloat16), dict(
         block_q=16, block_k=128, head_chunk=16, row_order="head"), {}),
-    "sparse_head_chunks_two_sweep_kl": (True, dict(seq=256, ratio=1), dict(block_q=16, block_k=128, head_chunk=1,
-                                                                          kl_chunk=128), {}),
+    "sparse_visit_head_chunks_two_sweep_kl": (True, dict(seq=256, ratio=1), dict(block_q=16, block_k=128,
+                                                                                head_chunk=1, kl_chunk=128), {}),
+    "sparse_visit_pairs": (True, dict(seq=512, ratio=1), dict(block_q=16, block_k=128, cache_scores=True,
+                                                             walk="pairs"), dict(walk="pairs")),
+    # Sparse, the K-proportional gather kernel (f32 rows; bf16 packed rows in two 128-lane planes).
+    "sparse_gather": (True, dict(seq=64, ratio=1), dict(path="gather"), {}),
+    "sparse_gather_looped_slots": (True, dict(seq=64, ratio=1), dict(path="gather", unroll_slots=False), {}),
+    "sparse_gather_bf16_planes": (True, dict(seq=16, ratio=1, head_dim=512, dtype=jnp.bfloat16),
+                                  dict(path="gather", unroll_slots=False), {}),
 }
 CASE = dict(heads=4, head_dim=32)
 WIDTH = 160  # top-k slots: K_p = 256, two 128-lane chunks
@@ -106,14 +109,21 @@ def VARIANTS_RATIO(a):  # noqa: N802 - the ratio the case was built with (N = S 
     return a["q"].shape[1] // a["compressed_kv"].shape[1]
 
 
+def config_of(name):
+    """The forced config (the gather path has no head chunk: it computes all heads of a query at once)."""
+    _, case_kw, overrides, _ = VARIANTS[name]
+    if overrides.get("path") == "gather":
+        return dict(overrides)
+    return dict(overrides, head_chunk=overrides.get("head_chunk", case_kw.get("heads", CASE["heads"])))
+
+
 @functools.lru_cache(maxsize=None)
 def program(name, impl):
-    _, case_kw, overrides, _ = VARIANTS[name]
-    config = dict(overrides, head_chunk=overrides.get("head_chunk", case_kw.get("heads", CASE["heads"])))
+    config = config_of(name)
 
     def run(a):
         kw = call_kwargs(a)
-        hc = config["head_chunk"]
+        hc = config.get("head_chunk")
         extra = dict(config=config) if impl == "pallas" else {}
         weights = jax.random.uniform(jax.random.PRNGKey(1), a["logits"].shape[:2])
         loss = lambda x: jnp.sum(weights * csa_pallas.indexer_distill_loss(
@@ -129,16 +139,18 @@ def resolved(name):
     """The variant facts the kernel resolves for the case's config (walk, straight pass 2, row order)."""
     sparse, case_kw, overrides, _ = VARIANTS[name]
     a = arrays_for(name)
-    config = dict(overrides, head_chunk=overrides.get("head_chunk", case_kw.get("heads", CASE["heads"])))
-    problem = validation.validate(a["q"], a["compressed_kv"], **call_kwargs(a), head_chunk=config["head_chunk"])
+    config = config_of(name)
+    problem = validation.validate(a["q"], a["compressed_kv"], **call_kwargs(a), head_chunk=config.get("head_chunk"))
     layout = (ops_sparse.sparse_layout if sparse else ops.dense_layout)(problem, config)
     cfg, schedule = layout.cfg, layout.schedule
+    facts = dict(path=getattr(layout, "path", "dense"))
+    if facts["path"] == "gather":
+        return facts, cfg
     nh = problem.num_heads // cfg.head_chunk
-    facts = dict(token_major=teacher_kernel.resolve_row_layout(cfg, problem.num_heads, a["q"].dtype).token_major)
-    if not sparse:
-        facts["walk"] = teacher_kernel.resolve_walk(cfg, schedule, cached=cfg.cache_scores, num_chunks=nh,
-                                                    normalize=True)
-        facts["straight_pass2"] = teacher_kernel.resolve_straight_pass2(cfg, schedule, cfg.cache_scores)
+    facts["token_major"] = teacher_kernel.resolve_row_layout(cfg, problem.num_heads, a["q"].dtype).token_major
+    facts["walk"] = teacher_kernel.resolve_walk(cfg, schedule, cached=cfg.cache_scores, num_chunks=nh,
+                                                normalize=True, sparse=sparse)
+    facts["straight_pass2"] = teacher_kernel.resolve_straight_pass2(cfg, schedule, cfg.cache_scores)
     return facts, cfg
 
 
@@ -149,7 +161,10 @@ def test_forced_variant_matches_reference(name):
     for key, value in expected.items():
         assert facts[key] == value, (key, facts)
     for key, value in overrides.items():
-        assert getattr(cfg, key) == value, key
+        if key == "path":
+            assert facts["path"] == value
+        else:
+            assert getattr(cfg, key) == value, key
     a = arrays_for(name)
     got = {k: np.asarray(v, np.float64) for k, v in program(name, "pallas")(a).items()}
     want = {k: np.asarray(v, np.float64) for k, v in program(name, "xla")(a).items()}
@@ -163,14 +178,13 @@ def test_forced_variant_matches_reference(name):
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_forced_variant_compiles_for_v5p(name):
     require_libtpu()
-    _, case_kw, overrides, _ = VARIANTS[name]
     a = arrays_for(name)
-    config = dict(overrides, head_chunk=overrides.get("head_chunk", case_kw.get("heads", CASE["heads"])))
+    config = config_of(name)
     structs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in a.items()}
 
     def fwd_bwd(a):
         kw = call_kwargs(a)
-        loss = lambda x: csa_pallas.indexer_distill_loss(x, a["q"], a["compressed_kv"], head_chunk=config["head_chunk"],
+        loss = lambda x: csa_pallas.indexer_distill_loss(x, a["q"], a["compressed_kv"], head_chunk=config.get("head_chunk"),
                                                          implementation="pallas", config=config, **kw)
         return jax.value_and_grad(loss)(a["logits"])
 

@@ -2,8 +2,8 @@
 
 After a query tile's last head chunk the head-summed teacher [bq, W_p] is still in VMEM; the same grid step reads
 the logits row tile, takes the student's LSE over V(t) and writes per-row KL statistics and, under
-differentiation, G = softmax_V(I) * sum P - P (SPEC §4-5). Shared by the dense (`teacher`) and sparse
-(`sparse_teacher`) kernels; the stand-alone KL kernels for P-in-HBM callers are in `kl`.
+differentiation, G = softmax_V(I) * sum P - P (SPEC §4-5), over the blocks (dense mode) or the slots (sparse mode)
+of the teacher kernel (`teacher`); the stand-alone KL kernels for P-in-HBM callers are in `kl`.
 """
 
 from __future__ import annotations

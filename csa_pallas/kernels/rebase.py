@@ -22,6 +22,8 @@ import math
 
 import jax.numpy as jnp
 
+from csa_pallas.kernels import common
+
 LOG2E = math.log2(math.e)
 
 
@@ -45,7 +47,8 @@ def head_log2_mass(mode: str, c2, lse2=None, shift2=None):
     if mode == "full_lse":
         return jnp.where(empty, -jnp.inf, c2 - lse2)
     d = (lse2 - c2) + shift2  # (u - C) log2 e
-    b = jnp.where(d > 0, (c2 - lse2) - jnp.log2(1.0 + jnp.exp2(-d)), shift2 - jnp.log2(1.0 + jnp.exp2(d)))
+    softplus_tail = jnp.log2(1.0 + jnp.exp2(-jnp.abs(d)))  # softplus(d) - max(d, 0), one exp2 and one log2
+    b = jnp.where(d > 0, c2 - lse2, shift2) - softplus_tail
     return jnp.where(empty, -jnp.inf, b)
 
 
@@ -62,3 +65,38 @@ def exponent_shift(c2, b, top):
     compressed mass or a row whose every head has none (M = -inf: an empty row)."""
     dead = (b == -jnp.inf) | (top == -jnp.inf)
     return jnp.where(dead, jnp.inf, c2 - b + top)
+
+
+def finish(mode: str, layout, c2, *, lse_block=None, shift_row=None, seen_rows=None, running=None):
+    """The pass-2 exponent shift G of one head chunk (base 2), shared by every teacher kernel.
+
+    layout: the chunk's `common.RowLayout`. c2: C per (query, head) row, f32 [*view, 1] (`compressed_log2_mass`).
+    lse_block: (u or F) - sigma, f32 [*view] (joint / full_lse); shift_row: sigma, f32 [1, bq]. seen_rows: bool
+    [bq, 1], the queries that see a block (per_head's M). running: (previous M f32 [bq, 128], rescale(factor)) when
+    several head chunks share the running M (`running_max`), else None.
+
+    Returns (G f32 [*view, 1], M f32 [bq, 128] or None). per_head: a_h = 0, so M = 0 on every row that sees a block
+    and G = C (+inf on empty heads): no head weights at all. joint / full_lse: the head weights, M and G are
+    computed on the stats block's own lane-dense layout [*view] (a few vregs), not on [rows, 1] columns (one vreg
+    per 8 rows and op); C goes there and G comes back by one identity-mask conversion each.
+    """
+    bq = layout.block_q
+    if mode == "per_head":
+        g = jnp.where(c2 == -jnp.inf, jnp.inf, c2)
+        top = None
+        if running is not None:  # M is 0 or -inf per row, the same in every chunk: nothing is rescaled
+            top = jnp.broadcast_to(jnp.where(seen_rows, 0.0, -jnp.inf), (bq, common.LANES))
+        return g, top
+    c2 = layout.column_to_block(c2)  # [*view]
+    shift = shift_row * LOG2E  # [1, bq]
+    shift2 = common.rows_to_column(shift) if layout.token_major else shift  # per query, in the view
+    b = head_log2_mass(mode, c2, lse_block * LOG2E, shift2)
+    top_view = jnp.max(b, axis=layout.head_axis, keepdims=True)  # [bq, 1] or [1, bq]
+    top = None
+    if running is not None:
+        previous, rescale = running
+        column = top_view if layout.token_major else common.rows_to_column(top_view)  # [bq, 1]
+        top, factor = running_max(previous, jnp.broadcast_to(column, (bq, common.LANES)))
+        rescale(factor)
+        top_view = top[:, :1] if layout.token_major else common.column_to_rows(top[:, :1], 1)
+    return layout.block_to_column(exponent_shift(c2, b, top_view)), top

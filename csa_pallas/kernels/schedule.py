@@ -221,10 +221,10 @@ class TeacherWalk:
                         kv_tile=tile, meta_tile=tile)
 
     def index_maps(self, *, head_chunk: int, group: int):
-        """BlockSpec index maps named q ([B, S_p, H, D] blocks [bq, group, D]), kv, kmeta, row (per-query-tile
-        blocks of the resident output tile: qmeta, top-k indices, the output / logits / G), lse (per (head chunk,
-        query tile) statistics of the pass-1 tile), stats / qstats (per-row statistics [B, nq, 8, bq] of the output
-        tile / of the pass-1 tile). Grid (rows * B, H / head_chunk, steps), 2 scalar prefetches."""
+        """BlockSpec index maps named q ([B, S_p, H, D] blocks [bq, group, D]), kv, kmeta, row / qrow
+        (per-query-tile blocks of the resident output tile: qmeta, top-k indices, the output / logits / G; of the
+        pass-1 tile), lse (per (head chunk, query tile) statistics of the pass-1 tile), stats / qstats (per-row
+        statistics [B, nq, 8, bq] of the output tile / of the pass-1 tile). Grid (rows * B, H / head_chunk, steps), 2 scalar prefetches."""
         def view(p, c, step, firsts_ref, counts_ref):
             return self.decode(p, c, step, firsts_ref, counts_ref)
 
@@ -256,8 +256,12 @@ class TeacherWalk:
             v = view(p, c, step, firsts_ref, counts_ref)
             return v.b, v.qi, 0, 0
 
+        def qrow_map(p, c, step, firsts_ref, counts_ref):  # per-query-tile blocks of the pass-1 tile
+            v = view(p, c, step, firsts_ref, counts_ref)
+            return v.b, v.qi, 0
+
         return dict(q=q_map, kv=kv_map, kmeta=kmeta_map, row=row_map, lse=lse_map, stats=stats_map,
-                    qstats=qstats_map)
+                    qstats=qstats_map, qrow=qrow_map)
 
 
 def kernel_view(walk: TeacherWalk, firsts_ref, counts_ref) -> StepView:

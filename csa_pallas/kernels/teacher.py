@@ -32,10 +32,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import common, fused_kl, rebase
+from csa_pallas.kernels import common, fused_kl, rebase, selection, slot_counts
 from csa_pallas.kernels import schedule as schedule_lib
 
 MODES = ("per_head", "joint", "full_lse")
+EMPTY_SLOT = -1.0  # sparse mode: the value of empty slots in P (the stand-alone KL kernels read V(t) as P >= 0)
 MiB = 1 << 20
 # Scores are kept in base 2 inside the kernel (z * log2 e, exp2): exp(x) lowers to exp2(x * log2 e) anyway.
 LOG2E = math.log2(math.e)
@@ -59,9 +60,9 @@ class TeacherConfig:
     tiles), True (a straight-line cached pass 2 per tile count; causal and cached only) or False (a loop).
     row_order: None (auto), "token" (the q block reshaped in place; head_chunk a multiple of the sublane tile) or
     "head" (the chunk's heads copied into head-major rows). kl_chunk: lanes per fused-KL epilogue sweep (one sweep
-    when the padded width fits; None: `fused_kl.FusedKL.chunk`). Sparse teacher only: cache_weights (the slot
-    weights kept in VMEM per (query tile, kv tile); None: when they fit and are reused) and slot_fold (the
-    transposed multiplicity; None: when the query tile folds into 128 lanes; False: the row-major loop).
+    when the padded width fits; None: `fused_kl.FusedKL.chunk`). Sparse mode only: slot_fold, the layout of the
+    exact slot counts of a query tile with a duplicated index (`slot_counts`; None: transposed when the query tile
+    folds into 128 lanes; False: the row-major loop).
     """
 
     block_q: int
@@ -73,7 +74,6 @@ class TeacherConfig:
     straight_pass2: Optional[bool] = None
     row_order: Optional[str] = None
     kl_chunk: Optional[int] = None
-    cache_weights: Optional[bool] = None
     slot_fold: Optional[bool] = None
 
     def __post_init__(self):
@@ -87,8 +87,9 @@ class TeacherConfig:
             raise ValueError(f"walk: expected one of {WALK_CHOICES}, got {self.walk!r}")
         if self.row_order not in ROW_ORDERS:
             raise ValueError(f"row_order: expected one of {ROW_ORDERS}, got {self.row_order!r}")
-        if self.straight_pass2 not in (None, True, False):
-            raise ValueError(f"straight_pass2: expected None, True or False, got {self.straight_pass2!r}")
+        for name in ("straight_pass2", "slot_fold"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name}: expected None, True or False, got {getattr(self, name)!r}")
         if self.kl_chunk is not None and (self.kl_chunk < 128 or self.kl_chunk % 128):
             raise ValueError(f"kl_chunk: expected None or a positive multiple of 128, got {self.kl_chunk}")
 
@@ -117,13 +118,15 @@ def resolve_row_layout(cfg: TeacherConfig, num_heads: int, dtype) -> common.RowL
 
 
 def resolve_walk(cfg: TeacherConfig, schedule: schedule_lib.TileSchedule, *, cached: bool, num_chunks: int,
-                 normalize: bool) -> str:
-    """The walk of `cfg.walk` (auto: merged pairs, else pairs, else plain). The pair walks need the causal
-    schedule, cached scores and one head chunk (a chunk would revisit an output block after the other tile of the
-    pair), and a normalised or fused output (the unnormalised head sum's row max is written per output tile)."""
+                 normalize: bool, sparse: bool = False) -> str:
+    """The walk of `cfg.walk` (auto: merged pairs, else pairs, else plain; sparse mode: plain). The pair walks need
+    the causal schedule, cached scores and one head chunk (a chunk would revisit an output block after the other
+    tile of the pair), and a normalised or fused output (the unnormalised head sum's row max is written per output
+    tile). Sparse mode defaults to the plain walk: the pairs' ~1% (dense mode) is not worth a kernel whose extra
+    scalar state a static estimator can no longer follow (measured: the pairs' path is not resolvable there)."""
     can_pair = cached and num_chunks == 1 and normalize and schedule.pairs_fit()
     if cfg.walk == "auto":
-        return ("merged" if schedule.pairs_merge() else "pairs") if can_pair else "plain"
+        return ("merged" if schedule.pairs_merge() else "pairs") if can_pair and not sparse else "plain"
     if cfg.walk != "plain" and not can_pair:
         raise ValueError(f"walk: {cfg.walk!r} needs the causal schedule (default ids), cache_scores, one head chunk "
                          f"and an even number of query tiles each of whose second tiles sees a block")
@@ -156,6 +159,9 @@ DEFAULT_CHIP = "v5p"
 # The calculator is an upper estimate (bq64 x hc64 cached: 55 MiB estimated, compiles under a 60 MiB limit).
 USABLE_VMEM_FRACTION = 0.94
 VMEM_HEADROOM = 4 * MiB  # left to Mosaic's internal scratch above the scoped limit
+# Sparse mode (v5p, measured): bq64/bk256 at S = 4K and bq16/bk1024 at 32K (the calculator says 60.6 MiB for both:
+# full-width score temporaries that diagonal tiles do not use) compile under the 60 MiB limit.
+SPARSE_USABLE_VMEM_FRACTION = 0.96
 
 
 def padded_blocks(num_blocks: int, block_k: int) -> int:
@@ -163,17 +169,21 @@ def padded_blocks(num_blocks: int, block_k: int) -> int:
 
 
 def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks: int, dtype, mode: str,
-               kl_logits_dtype=None) -> int:
+               kl_logits_dtype=None, width: Optional[int] = None) -> int:
     """Upper estimate of the kernel's VMEM use: double-buffered blocks, scratch and f32 temporaries.
-    kl_logits_dtype: the fused-KL variant (`fused_kl.FusedKL`) with logits of that dtype."""
+    kl_logits_dtype: the fused-KL variant (`fused_kl.FusedKL`) with logits of that dtype. width: sparse mode's K
+    (the output, logits and G rows are K_p wide; plus the slot indices, the block bits and the slot gather)."""
     isz = jnp.dtype(dtype).itemsize
     bq, bk, hc = cfg.block_q, cfg.block_k, cfg.head_chunk
     g = common.head_group(num_heads, hc, dtype)
     n_p = padded_blocks(num_blocks, bk)
+    w_p = n_p if width is None else common.round_up(width, common.LANES)  # the output row
     rows = hc * bq
     lanes = min(common.LANES, bk)
     blocks = 2 * (bq * common.round_up(g, 16) * head_dim * isz + bk * head_dim * isz + bq * common.LANES * 4
-                  + common.SUBLANES * max(bk, 128) * 4 + bq * n_p * 4)
+                  + common.SUBLANES * max(bk, 128) * 4 + bq * w_p * 4)
+    if width is not None:  # two slot-index blocks and the bits; weights, transposed indices, gather temporaries
+        blocks += 2 * (2 * bq * w_p * 4 + bq * selection.word_count(n_p) * 4)
     if mode != "per_head":  # (u or F) - sigma and sigma blocks
         blocks += 2 * 2 * common.round_up(hc, 8) * max(bq, 128) * 4
     # rows copy (head-major scratch, or the token-major reshape's materialised copy), per-lane max/sum, G (all
@@ -184,38 +194,57 @@ def vmem_bytes(cfg: TeacherConfig, *, num_heads: int, head_dim: int, num_blocks:
     # f32 score-sized temporaries live at once in Mosaic's allocation: scores, masked scores, exp, chunks (~5),
     # plus the identity-mask conversion of the stats block.
     temporaries = 5 * rows * max(bk, 128) * 4 + 2 * hc * bq * max(bq, 128) * 4
+    if width is not None:
+        scratch += bq * bk * 4 + w_p * bq * 4
+        temporaries += 4 * bq * w_p * 4
     if kl_logits_dtype is not None:
         # f32 accumulator in scratch instead of the output block; logits in, G out (double-buffered), the key
         # metadata row, and ~8 f32 [bq, chunk] epilogue temporaries.
         lsz = jnp.dtype(kl_logits_dtype).itemsize
-        blocks += -2 * bq * n_p * 4 + 4 * bq * n_p * lsz + 2 * common.SUBLANES * n_p * 4
-        scratch += bq * n_p * 4
-        temporaries = max(temporaries, 8 * bq * fused_kl.kl_chunk(n_p, fused_kl.FusedKL.chunk) * 4)
+        blocks += -2 * bq * w_p * 4 + 4 * bq * w_p * lsz + 2 * common.SUBLANES * n_p * 4
+        scratch += bq * w_p * 4
+        temporaries = max(temporaries, 8 * bq * fused_kl.kl_chunk(w_p, fused_kl.FusedKL.chunk) * 4)
     return blocks + scratch + temporaries
 
 
+def sparse_block_k(num_blocks: int) -> int:
+    """Sparse mode's kv tile: a power of two >= N / 8, from 256 to 1024 blocks (128 when N <= 128). With a selection
+    every tile is masked, so wider tiles cost no MXU work (diagonal tiles still stop at their last visible 128-lane
+    chunk) and halve the grid steps, whose scalar overhead (~350 bundles each) is a fifth of the 32K kernel at 256
+    (measured, v5p estimates, Flash shape K = 512: S = 32K 32.2 / 28.0 / 26.0 ms at 256 / 512 / 1024; S = 4K 470 /
+    493 us at 256 / 512)."""
+    if num_blocks <= 128:
+        return 128
+    return min(1024, max(256, 1 << (common.cdiv(num_blocks, 8) - 1).bit_length()))
+
+
 def default_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: int, dtype, mode: str,
-                   head_chunk: Optional[int] = None, chip: str = DEFAULT_CHIP, kl_logits_dtype=None) -> TeacherConfig:
-    """Tiles for one problem: R = hc*bq near the chip's target, kv tiles of 256, cached scores when they fit."""
+                   head_chunk: Optional[int] = None, chip: str = DEFAULT_CHIP, kl_logits_dtype=None,
+                   width: Optional[int] = None) -> TeacherConfig:
+    """Tiles for one problem: R = hc*bq near the chip's target, kv tiles of 256, cached scores when they fit.
+    width: sparse mode's K (kv tiles then a multiple of 128: the slot gather works per 128-lane chunk)."""
     budget = CHIPS[chip]
-    usable = int(budget.vmem_bytes * USABLE_VMEM_FRACTION)
+    usable = int(budget.vmem_bytes * (USABLE_VMEM_FRACTION if width is None else SPARSE_USABLE_VMEM_FRACTION))
     bq = min(64, common.round_up(max(seq_len, 1), 16))
     n16 = common.round_up(max(num_blocks, 1), 16)
-    bk = n16 if n16 <= 128 else 256
+    bk = (n16 if n16 <= 128 else 256) if width is None else sparse_block_k(num_blocks)
     if head_chunk is None:
         head_chunk = max(d for d in range(1, num_heads + 1)
                          if num_heads % d == 0 and d * bq <= budget.target_rows)
-    # One matmul (cached scores) beats a larger query tile: try every tile with the cache first.
+    # One matmul (cached scores) beats a larger query tile: try every tile with the cache first. Sparse mode also
+    # narrows its (wide) kv tile before giving the cache up (S = 32K: bk 1024 cached 26.0 ms, uncached 40.7 ms).
+    widths = [bk] if width is None else [w for w in (bk, bk // 2, bk // 4) if w >= min(bk, 256)]
     for cache in (True, False):
-        for block_q in (bq, bq // 2, bq // 4):
-            if block_q < 16:
-                continue
-            cfg = TeacherConfig(block_q, bk, head_chunk, cache, 0)
-            need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, num_blocks=num_blocks, dtype=dtype,
-                              mode=mode, kl_logits_dtype=kl_logits_dtype)
-            if need <= usable:
-                limit = min(max(int(need * 1.25) + 4 * MiB, 32 * MiB), budget.vmem_bytes - VMEM_HEADROOM)
-                return dataclasses.replace(cfg, vmem_limit_bytes=limit)
+        for block_k in widths:
+            for block_q in (bq, bq // 2, bq // 4):
+                if block_q < 16:
+                    continue
+                cfg = TeacherConfig(block_q, block_k, head_chunk, cache, 0)
+                need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, num_blocks=num_blocks, dtype=dtype,
+                                  mode=mode, kl_logits_dtype=kl_logits_dtype, width=width)
+                if need <= usable:
+                    limit = min(max(int(need * 1.25) + 4 * MiB, 32 * MiB), budget.vmem_bytes - VMEM_HEADROOM)
+                    return dataclasses.replace(cfg, vmem_limit_bytes=limit)
     return TeacherConfig(16, bk, head_chunk, False, budget.vmem_bytes - VMEM_HEADROOM)
 
 
@@ -230,13 +259,18 @@ def normalize_rows(head_sum: jax.Array) -> jax.Array:
     return head_sum / jnp.maximum(total, common.F32_TINY)
 
 
-def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, mode, walk: schedule_lib.TeacherWalk,
-            nh, layout, group, scale, normalize, straight_pass2, seq_len: int,
-            kl: Optional[fused_kl.FusedKL] = None):
+def _kernel(*refs, mode, walk: schedule_lib.TeacherWalk, nh, layout, group, scale, normalize, straight_pass2,
+            seq_len: int, kl: Optional[fused_kl.FusedKL] = None, sel: Optional["SlotSelection"] = None):
     schedule = walk.schedule
     cache_scores = walk.cached_pass2
     pairs = walk.paired
     refs = list(refs)
+    firsts_ref, counts_ref = refs.pop(0), refs.pop(0)
+    tables_ref = refs.pop(0) if sel is not None else None  # `selection.tile_tables`
+    q_ref, kv_ref, qmeta_ref, kmeta_ref = refs.pop(0), refs.pop(0), refs.pop(0), refs.pop(0)
+    idx_ref = idxq_ref = bits_ref = vbits_ref = vbitsq_ref = None
+    if sel is not None:  # top-k indices and slot bits of the output tile and of the pass-1 tile; its block bits
+        idx_ref, idxq_ref, vbits_ref, vbitsq_ref, bits_ref = [refs.pop(0) for _ in range(5)]
     lse_ref = shift_ref = None
     if mode != "per_head":
         lse_ref, shift_ref = refs.pop(0), refs.pop(0)  # (u or F) - sigma and sigma, see `rebase`
@@ -254,8 +288,10 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     cache_ref = extra.pop(0) if cache_scores else None
     if kl is not None:
         out_ref = extra.pop(0)  # f32 head-sum accumulator [bq, N_p] in scratch: the outputs are KL stats and dI
-    seen_ref = None if schedule.causal else extra.pop(0)  # [bq, 1]: the row saw a block (pass 1)
+    seen_ref = None if (schedule.causal or sel is not None) else extra.pop(0)  # [bq, 1]: the row saw a block
     top_ref = extra.pop(0) if (nh > 1 or rowmax_ref is not None) else None  # running M [bq, 128] over chunks
+    weight_ref = extra.pop(0) if sel is not None else None  # [bq, bk] exact slot weights of a duplicate tile
+    idx_t_ref = extra.pop(0) if sel is not None and sel.fold else None  # transposed indices for those weights
     bq, bk, hc = layout.block_q, schedule.block_k, layout.head_chunk
     lanes = min(common.LANES, bk)
     two_pass = True  # every mode needs C (pass 1): full_lse too, for the rebased head weights
@@ -272,9 +308,17 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     own_pass2 = jnp.logical_not(first_step) if merged else False
 
     def fused_epilogue():
+        if sel is not None:  # V(t) = the output tile's valid slots
+            fused_kl.kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, mask_target=True,
+                                 visible_at=picks.valid_slots)
+            return
         visible_at, nonempty = _dense_visibility(kl.seq_len, qmeta_ref, krow_ref, qi=out_qi, schedule=schedule)
         fused_kl.kl_epilogue(kl, out_ref, logits_ref, stats_ref, grad_ref, visible_at=visible_at,
                              nonempty_rows=nonempty)
+
+    if sel is not None:
+        picks = selection.InKernel(sel, tables_ref, bits_ref, idx_ref, idxq_ref, vbits_ref, vbitsq_ref, weight_ref,
+                                   idx_t_ref, b=at.b, qi=qi, tile=tile, nq=schedule.nq, block_q=bq, block_k=bk)
 
     # Pairs (one head chunk): the output block is zeroed by the step that accumulates it, right before pass 2.
     @pl.when((step == at.last_step) if pairs else ((c == 0) & (step == 0)))
@@ -287,6 +331,8 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
     def _():
         if not layout.token_major:
             common.gather_head_rows(q_ref, rows_ref, c, head_chunk=hc, group=group, block_q=bq)
+        if sel is not None:
+            picks.prepare()
 
     # Causal diagonal tiles are computed only up to the last 128-lane chunk the query tile can see: chunks past
     # it would be all -inf (at bk = 256, m = 4, bq = 64 this skips 1/10 of the matmul work).
@@ -302,6 +348,8 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         kv = kv_ref[...] if width == bk else kv_ref[:width, :]
         z = lax.dot_general(rows, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         z = (z * (scale * LOG2E)).reshape(*layout.view, width)
+        if sel is not None:  # the selection holds V(t): unselected blocks are -inf (their weight)
+            return jnp.where(layout.expand_mask(picks.mask(width)), z, -jnp.inf)
         if not masked:
             return z
         if schedule.causal:  # default ids: query t sees block j once it is complete, (j + 1) * m - 1 <= t
@@ -323,7 +371,10 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             pl.when(cond & active)(functools.partial(body, True, bk))
             return
         full = schedule.full(qi, tile)
-        pl.when(cond & active & full)(functools.partial(body, False, bk))
+        if sel is not None:  # a selection always masks
+            full = False
+        else:
+            pl.when(cond & active & full)(functools.partial(body, False, bk))
         partial = cond & active & jnp.logical_not(full)
         if chunk == bk:
             pl.when(partial)(functools.partial(body, True, bk))
@@ -334,33 +385,36 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
 
     def row_seen():
         """bool [bq, 1]: the pass-1 tile's rows that see some block."""
+        if sel is not None:  # a row with a valid slot
+            return jnp.max((vbitsq_ref[...] != 0).astype(jnp.float32), axis=1, keepdims=True) > 0
         if schedule.causal:  # block 0 is complete at t = m - 1
             t = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
             return (t >= schedule.ratio - 1) & (schedule.num_blocks > 0)
         return seen_ref[...] > 0
 
     def finish_f(m=None, l=None):
-        """The pass-2 exponent shift G (base 2, `rebase`) from the pass-1 statistics (default: m_ref, l_ref),
-        replicated over lanes: f32 [*view, 128], also stored in f_ref. With several head chunks, the running
+        """The pass-2 exponent shift G (base 2, `rebase.finish`) from the pass-1 statistics (default: m_ref,
+        l_ref), replicated over lanes: f32 [*view, 128], also stored in f_ref. With several head chunks, the running
         row max M of the chunks so far is updated and the sums they accumulated are rescaled to it."""
         m = m_ref[...] if m is None else m
         l = l_ref[...] if l is None else l
-        c2 = rebase.compressed_log2_mass(m, l, layout.query_to_view(row_seen()))  # [*view, 1]
-        lse2 = shift2 = None
-        if mode != "per_head":
-            lse2 = layout.block_to_column(lse_ref[...].astype(jnp.float32)) * LOG2E
-            shift2 = layout.query_to_view(common.rows_to_column(shift_ref[0:1, :])) * LOG2E  # sigma per row
-        b = rebase.head_log2_mass(mode, c2, lse2, shift2)
-        top = jnp.broadcast_to(layout.per_query_max(b), (bq, common.LANES))  # [bq, 128]
+        seen = row_seen()
+        c2 = rebase.compressed_log2_mass(m, l, layout.query_to_view(seen))  # [*view, 1]
+        running = None
         if top_ref is not None:
-            previous = top_ref[...] if nh > 1 else jnp.full_like(top, -jnp.inf)
-            top, factor = rebase.running_max(previous, top)
+            def rescale(factor):
+                if nh > 1:
+                    pl.when(c > 0)(lambda: common.scale_rows(out_ref, factor))
+            previous = top_ref[...] if nh > 1 else jnp.full((bq, common.LANES), -jnp.inf, jnp.float32)
+            running = (previous, rescale)
+        lse_block = shift_row = None
+        if mode != "per_head":
+            lse_block, shift_row = lse_ref[...].astype(jnp.float32), shift_ref[0:1, :]
+        g, top = rebase.finish(mode, layout, c2, lse_block=lse_block, shift_row=shift_row, seen_rows=seen,
+                               running=running)
+        if top_ref is not None:
             top_ref[...] = top
-            if nh > 1:
-                @pl.when(c > 0)
-                def _():
-                    common.scale_rows(out_ref, factor)
-        f = jnp.broadcast_to(rebase.exponent_shift(c2, b, layout.query_to_view(top[:, :1])), f_ref.shape)
+        f = jnp.broadcast_to(g, f_ref.shape)
         f_ref[...] = f
         return f
 
@@ -371,7 +425,10 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             body(True, bk)
             return
         full = schedule.full(qi, tile)
-        pl.when(full)(functools.partial(body, False, bk))
+        if sel is not None:  # a selection always masks
+            full = False
+        else:
+            pl.when(full)(functools.partial(body, False, bk))
         if chunk == bk:
             pl.when(jnp.logical_not(full))(functools.partial(body, True, bk))
             return
@@ -382,10 +439,19 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
             for w in range(chunk, bk + 1, chunk):
                 pl.when(width == w)(functools.partial(body, True, w))
 
+    def probs_of(z):
+        """sum over the chunk's heads of 2^(z - G): f32 [bq, width] (z: [*view, width])."""
+        f = f_ref[...][..., :lanes]
+        return jnp.concatenate([jnp.sum(jnp.exp2(z_lanes - f), axis=layout.head_axis)
+                                for z_lanes in common.lane_chunks(z, lanes)], axis=1)
+
     def cached_pass2():
         """All of the query tile's cached tiles in one grid step (no per-tile step overhead); F is ready."""
 
         def accumulate(tile_k, z):
+            if sel is not None:  # sum_h 2^(z - G) of the tile's blocks, written in slot order
+                picks.when_selected(out_qi, tile_k, lambda: picks.gather_to_slots(out_ref, probs_of(z), tile_k))
+                return
             f = f_ref[...][..., :lanes]
             for j, z_lanes in enumerate(common.lane_chunks(z, lanes)):
                 probs = jnp.sum(jnp.exp2(z_lanes - f), axis=layout.head_axis)  # [bq, lanes]
@@ -446,9 +512,28 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 seen_ref[...] = jnp.zeros(seen_ref.shape, jnp.float32)
 
         def pass1(first, last, finalize, masked, width):
+            if sel is not None:  # an unselected tile only does what its walk position asks of it
+                picks.when_selected(qi, tile, functools.partial(pass1_work, first, last, finalize, masked, width),
+                                    otherwise=functools.partial(pass1_skipped, first, last, finalize))
+                return
+            pass1_work(first, last, finalize, masked, width)
+
+        def pass1_skipped(first, last, finalize):
+            if first:
+                m_ref[...] = jnp.full(m_ref.shape, common.STAT_FLOOR, jnp.float32)
+                l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            if last:
+                finish_f()
+            if finalize:
+                fused_epilogue()
+
+        def pass1_work(first, last, finalize, masked, width):
             z = scores(masked, width, seen_first=first if seen_ref is not None else None)
+            # Duplicated indices weigh their block by its slot count (in the LSE only: the cached scores and
+            # pass 2 give each slot its own share).
+            z_lse = z if sel is None else picks.weighted(z, width, layout)
             # The last update feeds F directly: its statistics never go back to VMEM.
-            stats = common.online_lse_update(m_ref, l_ref, z, lanes, first=first, base2=True, store=not last)
+            stats = common.online_lse_update(m_ref, l_ref, z_lse, lanes, first=first, base2=True, store=not last)
             if cache_scores:
                 if width == bk:
                     cache_ref[k] = z
@@ -460,6 +545,9 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
                 finish_f(*stats)
             if finalize:  # the previous tile's KL epilogue, in the same basic block as this MXU-bound matmul
                 fused_epilogue()
+
+        if sel is not None:  # a tile of a query tile with a duplicated index: exact slot counts first
+            picks.exact_weights(in_pass1 & active)
 
         # Nested conditions: a step outside pass 1 (or past the query tile's tiles) pays one branch, not one per
         # variant (each untaken pl.when costs ~10 bundles of scalar work and delay slots).
@@ -484,7 +572,19 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         pl.when((step == at.last_step) & own_pass2)(cached_pass2)
 
     def pass2(first, masked, width):
+        if sel is not None:
+            picks.when_selected(qi, tile, functools.partial(pass2_work, first, masked, width),
+                                otherwise=(lambda: None if finish_f() is None else None) if first else None)
+            return
+        pass2_work(first, masked, width)
+
+    def pass2_work(first, masked, width):
         z = scores(masked, width)  # (cached scores: `cached_pass2`)
+        if sel is not None:
+            if first:
+                finish_f()
+            picks.gather_to_slots(out_ref, probs_of(z), tile)
+            return
         # The first pass-2 step computes F itself: its cross-lane reductions (XLU-bound) then share a basic block
         # with the matmul, and hide.
         f = finish_f() if first else f_ref[...]
@@ -506,6 +606,17 @@ def _kernel(firsts_ref, counts_ref, q_ref, kv_ref, qmeta_ref, kmeta_ref, *refs, 
         standalone = (step == at.last_step) & (jnp.logical_not(active) | own_pass2) if epilogue_in_pass1 else (
             (c == nh - 1) & (step == at.last_step))
         pl.when(standalone)(fused_epilogue)
+    elif sel is not None:
+        @pl.when((c == nh - 1) & (step == at.last_step))
+        def _():
+            valid = picks.valid_slots(0, sel.width_p)
+            acc = jnp.where(valid, out_ref[...], 0.0)
+            if normalize:
+                acc = acc / jnp.maximum(jnp.sum(acc, axis=1, keepdims=True), common.F32_TINY)
+            else:
+                rows = common.column_to_rows(top_ref[:, :1], 1)  # [1, bq]
+                rowmax_ref[...] = jnp.concatenate([rows, jnp.zeros((common.SUBLANES - 1, bq), jnp.float32)], axis=0)
+            out_ref[...] = jnp.where(valid, acc, EMPTY_SLOT)
     elif normalize:
         @pl.when((c == nh - 1) & (step == at.last_step))
         def _():
@@ -543,7 +654,7 @@ def _dense_visibility(seq_len: int, qmeta_ref, krow_ref, *, qi, schedule: schedu
 def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cfg: TeacherConfig, scale: float,
                    schedule: schedule_lib.TileSchedule, normalize: bool = True,
                    kl: Optional[fused_kl.FusedKL] = None, logits=None, seq_len: Optional[int] = None,
-                   interpret=False):
+                   picks=None, interpret=False):
     """Runs the dense teacher kernel on padded, prepared inputs.
 
     Args:
@@ -558,9 +669,13 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         devices: the caller rescales the shards' sums to a common M, adds them and normalises once).
       kl, logits: the fused KL (the loss path): logits I [B, S_p, N_p] (any float dtype, padding anything).
       seq_len: the real query rows S (default S_p; rows past it are padding, 0 in P).
+      picks: sparse mode, (idx, vbits, bits, tables) from `selection`: the top-k indices int32 [B, S_p, K_p] (any
+        values), the slot bits int32 [B, S_p, K_p / 32] (V(t)), the block bits int32 [B, S_p, W_p], the
+        per-query-tile flags; cfg.block_k a multiple of 128 dividing 4096. The kernel then reads V(t) from them
+        (qmeta/kmeta are not read) and P is in slot order.
 
     Returns:
-      P, f32 [B, S_p, N_p], rows L1-normalised (0 outside V(t) and on empty rows, NaN on rows that read a
+      P, f32 [B, S_p, N_p] (sparse: [B, S_p, K_p], EMPTY_SLOT on empty slots), rows L1-normalised (0 outside V(t) and on empty rows, NaN on rows that read a
       non-finite input). normalize=False: (head sum f32 [B, S_p, N_p], M f32 [B, nq, 8, bq] in row 0, base 2).
       With `kl`: the KL statistics f32 [B, nq, 8, bq] (row 0 KL, row 1 student lse, row 2 sum P, row 3
       non-empty; 0 on empty and padding rows) and, with kl.emit_gradient, G = softmax_V(I) * sum P - P in the
@@ -582,10 +697,27 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         seq_len = kl.seq_len
     # Causal cached single-chunk runs walk query tiles in pairs (qi, nq-1-qi), each pair with the same number of
     # steps, instead of nk + 1 steps per tile of which the early tiles leave most idle (~200 bundles each).
-    kind = resolve_walk(cfg, schedule, cached=cached, num_chunks=nh, normalize=normalize or kl is not None)
+    kind = resolve_walk(cfg, schedule, cached=cached, num_chunks=nh, normalize=normalize or kl is not None,
+                        sparse=picks is not None)
     walk = schedule_lib.TeacherWalk(schedule, kind=kind, cached_pass2=cached or kind != "plain")
     straight_pass2 = resolve_straight_pass2(cfg, schedule, cached)
     maps = walk.index_maps(head_chunk=hc, group=group)
+    sel = None
+    width_p = n_p
+    if picks is not None:
+        idx, vbits, bits, tables = picks
+        width_p = idx.shape[2]
+        if bk % common.LANES or 4096 % bk:
+            raise ValueError(f"block_k: sparse mode needs a multiple of {common.LANES} dividing 4096, got {bk}")
+        can_fold = slot_counts.slot_fold_width(bq) if bk % (slot_counts.COUNTER_FIELDS * common.SUBLANES) == 0 else 0
+        if cfg.slot_fold and not can_fold:
+            raise ValueError(f"slot_fold: the transposed counts need block_q ({bq}) to divide or be a multiple of "
+                             f"128 and block_k ({bk}) a multiple of {slot_counts.COUNTER_FIELDS * common.SUBLANES}")
+        sel = selection.SlotSelection(width_p=width_p, table_words=1 + common.cdiv(nk, selection.WORD_BITS),
+                                      fold=can_fold if cfg.slot_fold is None or cfg.slot_fold else 0)
+        # a third scalar prefetch (the tables): the walk's maps take the first two
+        maps = {name: (lambda m: lambda p, c, step, firsts_ref, counts_ref, tables_ref: m(
+            p, c, step, firsts_ref, counts_ref))(m) for name, m in maps.items()}
 
     in_specs = [
         pl.BlockSpec((None, bq, group, d), maps["q"]),
@@ -593,27 +725,35 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         pl.BlockSpec((None, bq, common.LANES), maps["row"]),
         pl.BlockSpec((None, common.SUBLANES, bk), maps["kmeta"]),
     ]
-    if schedule.causal:  # the kernel masks from iota positions: no metadata blocks to copy in every step
+    if schedule.causal or sel is not None:  # masks from iota positions or the selection: no metadata blocks
         in_specs[2:4] = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    if sel is not None:  # never read: a placeholder left in HBM
+        qmeta = kmeta = jnp.zeros((1, common.SUBLANES, common.LANES), jnp.int32)
     operands = [q, kv, qmeta, kmeta]
+    if sel is not None:
+        nw = vbits.shape[2]
+        in_specs += [pl.BlockSpec((None, bq, width_p), maps["row"]), pl.BlockSpec((None, bq, width_p), maps["qrow"]),
+                     pl.BlockSpec((None, bq, nw), maps["row"]), pl.BlockSpec((None, bq, nw), maps["qrow"]),
+                     pl.BlockSpec((None, bq, bits.shape[2]), maps["qrow"])]
+        operands += [idx, idx, vbits, vbits, bits]
     if mode != "per_head":
         in_specs += [pl.BlockSpec((None, None, None, *layout.view), maps["lse"]),
                      pl.BlockSpec((None, None, common.SUBLANES, bq), maps["qstats"])]
         operands += list(lse_in)
-    out_specs = pl.BlockSpec((None, bq, n_p), maps["row"])
-    out_shape = jax.ShapeDtypeStruct((b, s_p, n_p), jnp.float32)
-    batch_of = lambda p, c, step, firsts_ref, counts_ref: common.index_div(p, walk.rows)
+    out_specs = pl.BlockSpec((None, bq, width_p), maps["row"])
+    out_shape = jax.ShapeDtypeStruct((b, s_p, width_p), jnp.float32)
+    batch_of = lambda p, *_: common.index_div(p, walk.rows)
     krow = (pl.BlockSpec(memory_space=pl.ANY) if schedule.causal
             else pl.BlockSpec((None, common.SUBLANES, n_p), lambda *ids: (batch_of(*ids), 0, 0)))
     if kl is None and not normalize:
         out_specs = [out_specs, pl.BlockSpec((None, None, common.SUBLANES, bq), maps["stats"])]
         out_shape = [out_shape, jax.ShapeDtypeStruct((b, nq, common.SUBLANES, bq), jnp.float32)]
     elif kl is None:
-        in_specs.append(krow)
+        in_specs.append(krow if sel is None else pl.BlockSpec(memory_space=pl.ANY))
         operands.append(kmeta)
     if kl is not None:
         logits_spec, out_specs, out_shape = fused_kl.fused_kl_blocks(kl, logits, maps["row"], block_q=bq)
-        in_specs += [logits_spec, krow]
+        in_specs += [logits_spec, krow if sel is None else pl.BlockSpec(memory_space=pl.ANY)]
         operands += [logits, kmeta]
     lanes = min(common.LANES, bk)
     scratch = [
@@ -626,18 +766,22 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     if cached:
         scratch.append(pltpu.VMEM((nk, *layout.view, bk), jnp.float32))
     if kl is not None:
-        scratch.append(pltpu.VMEM((bq, n_p), jnp.float32))
-    if not schedule.causal:
+        scratch.append(pltpu.VMEM((bq, width_p), jnp.float32))
+    if not schedule.causal and sel is None:
         scratch.append(pltpu.VMEM((bq, 1), jnp.float32))  # rows that saw a block
     if nh > 1 or (kl is None and not normalize):
         scratch.append(pltpu.VMEM((bq, common.LANES), jnp.float32))  # running M over head chunks
+    if sel is not None:
+        scratch.append(pltpu.VMEM((bq, bk), jnp.float32))  # exact slot weights of a tile with duplicates
+        if sel.fold:
+            scratch.append(pltpu.VMEM((width_p // sel.fold, sel.fold * bq), jnp.int32))
     kernel = functools.partial(_kernel, mode=mode, walk=walk, nh=nh, layout=layout, group=group, scale=scale,
-                               normalize=normalize, straight_pass2=straight_pass2, kl=kl, seq_len=seq_len)
+                               normalize=normalize, straight_pass2=straight_pass2, kl=kl, seq_len=seq_len, sel=sel)
     order = "tok" if layout.token_major else "head"
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=2 if sel is None else 3,
             grid=(b * walk.rows, nh, walk.steps),
             in_specs=in_specs,
             out_specs=out_specs,
@@ -649,11 +793,13 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
             vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=cost_estimate(q, kv, schedule, batch=b, head_chunk=hc, matmuls=1 if cached else 2,
                                     lse_inputs=0 if mode == "per_head" else 1, kl=kl, logits=logits,
-                                    output_bytes=0 if kl is not None else b * s_p * n_p * 4),
+                                    output_bytes=0 if kl is not None else b * s_p * width_p * 4,
+                                    extra_bytes=0 if sel is None else 2 * (idx.size + vbits.size) * 4
+                                    + bits.size * 4),
         interpret=interpret,
-        name=f"csa_teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}_{kind}{'_cached' if cached else ''}"
-             f"{'_kl' if kl else ''}",
-    )(firsts, counts, *operands)
+        name=f"csa_{'sparse_' if sel else ''}teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}_{kind}"
+             f"{'_cached' if cached else ''}{'_kl' if kl else ''}",
+    )(firsts, counts, *([] if sel is None else [tables]), *operands)
 
 
 def visited_tiles(schedule: schedule_lib.TileSchedule, batch: int) -> int:

@@ -1,0 +1,302 @@
+"""Sparse teacher (+ fused KL), K-proportional: every query gathers its K selected compressed-KV rows.
+
+The dense-visit teacher (`teacher` with a selection) costs ~N/2 (query, block) pairs per query whatever K is; at
+long context that is the whole causal triangle. Here each query pays K gathered rows instead:
+
+  * the compressed KV of the batch element stays resident in VMEM for the whole query walk (`pl.Buffered(1)`,
+    fetched once per core): bf16 rows packed two features per u32 word (features d and d + D/2 share word d; bf16
+    single-row loads do not compile on v5p, u32 ones do, and a bf16 value is the high half of an f32), f32 rows
+    as they are. Resident size N_p * D * 2 bytes (bf16): 32 MiB at S = 128K, D = 512;
+  * per query, its K_p slot indices (an SMEM block) drive K_p dynamic single-row loads into a staging buffer;
+    invalid slots (-1) load row 0 and are masked;
+  * scores [H, K_p] = q[t] [H, D] x rows^T on the MXU (bf16: two half-D products on the unpacked halves; the heads
+    are the M dimension), then the per-head log-sum-exp over the valid slots, the rebased finish (`rebase`) and
+    P[t, k] = sum_h 2^(z - G_h), already in slot order: no scatter and no gather back, and a duplicated index is
+    simply a second row (each slot its own softmax entry, SPEC §2).
+
+After a step's bq queries: the same fused-KL epilogue as the teacher (`fused_kl`), or P normalised (-1 on empty
+slots), or the unnormalised head sum with the rows' M (heads sharded over devices). Grid (B * S_p / bq) "parallel";
+one head chunk (all heads of a query at once: [H, K_p] f32 temporaries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_pallas.kernels import common, fused_kl, rebase, selection
+
+MiB = 1 << 20
+LANES = common.LANES
+EMPTY_SLOT = -1.0
+MODES = ("per_head", "joint", "full_lse")
+GATHER_UNROLL = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherConfig:
+    """block_q: queries per grid step (a multiple of 8). vmem_limit_bytes: Mosaic's scoped-VMEM limit.
+    unroll_slots: the 128 slots of a chunk as straight-line code with static SMEM offsets and staging rows (~2
+    bundles per row on v5p; the default), or a loop over them (~3.5; a much smaller program, e.g. for the CPU
+    interpreter)."""
+
+    block_q: int
+    vmem_limit_bytes: int
+    unroll_slots: bool = True
+
+    def __post_init__(self):
+        if self.block_q < 8 or self.block_q % 8:
+            raise ValueError(f"block_q: expected a positive multiple of 8, got {self.block_q}")
+
+
+def lane_planes(words: int) -> tuple:
+    """(planes, lanes): the resident row of `words` u32 words as planes of <= 128 lanes (a 128-lane plane makes a
+    dynamic row's address the row index itself: ~2 bundles per gathered row instead of ~3.5 with 256-lane rows)."""
+    if words <= common.LANES:
+        return 1, words
+    if words % common.LANES:
+        raise ValueError(f"head_dim: the gather path needs D/2 (bf16) or D (f32) <= 128 or a multiple of 128, got "
+                         f"{words} words")
+    return words // common.LANES, common.LANES
+
+
+def resident_row_count(num_blocks: int) -> int:
+    """Rows of the resident array: a power of two >= N (>= 8), so a slot's row is index & (rows - 1) (one scalar
+    op; an empty slot reads some row and is masked by its slot bit)."""
+    return max(common.SUBLANES, 1 << (max(num_blocks, 1) - 1).bit_length())
+
+
+def resident_rows(kv) -> jax.Array:
+    """The resident rows of the gather kernel: u32 [B, planes, R, lanes], R = `resident_row_count(N)`; row s holds
+    block s: bf16 packed two features per word (feature d in the low half, d + D/2 in the high half of word d), f32
+    as its bits; rows past N are zeros."""
+    if kv.dtype == jnp.float32:
+        words = lax.bitcast_convert_type(kv, jnp.uint32)
+    else:
+        half = kv.shape[-1] // 2
+        bits = lax.bitcast_convert_type(kv, jnp.uint16).astype(jnp.uint32)
+        words = bits[..., :half] | jnp.left_shift(bits[..., half:], 16)
+    b, n, w = words.shape
+    planes, lanes = lane_planes(w)
+    rows = resident_row_count(n)
+    words = jnp.pad(words, ((0, 0), (0, rows - n), (0, 0)))
+    return jnp.transpose(words.reshape(b, rows, planes, lanes), (0, 2, 1, 3))
+
+
+def resident_bytes(num_blocks_padded: int, head_dim: int, dtype) -> int:
+    return resident_row_count(num_blocks_padded) * head_dim * jnp.dtype(dtype).itemsize
+
+
+def vmem_bytes(cfg: GatherConfig, *, num_heads: int, head_dim: int, num_blocks_padded: int, width_p: int, dtype,
+               kl_logits_dtype=None) -> int:
+    isz = jnp.dtype(dtype).itemsize
+    bq = cfg.block_q
+    resident = resident_bytes(num_blocks_padded, head_dim, dtype)
+    blocks = 2 * (bq * num_heads * head_dim * isz + 2 * bq * width_p * 4 + 2 * num_heads * max(bq, 128) * 4)
+    if kl_logits_dtype is not None:
+        blocks += 4 * bq * width_p * jnp.dtype(kl_logits_dtype).itemsize
+    scratch = bq * width_p * head_dim * isz + bq * width_p * 4
+    # one query's scores and exponentials (the queries of a step run one at a time), its unpacked rows, the epilogue
+    temporaries = 6 * num_heads * width_p * 4 + 2 * width_p * head_dim * 4 + 8 * bq * width_p * 4
+    return resident + blocks + scratch + temporaries
+
+
+def default_config(*, num_heads: int, head_dim: int, num_blocks_padded: int, width_p: int, dtype,
+                   kl_logits_dtype=None, vmem_capacity: int = 64 * MiB) -> Optional[GatherConfig]:
+    """8 queries per step; None when the resident rows and the step's buffers do not fit in VMEM."""
+    cfg = GatherConfig(8, 0)
+    need = vmem_bytes(cfg, num_heads=num_heads, head_dim=head_dim, num_blocks_padded=num_blocks_padded,
+                      width_p=width_p, dtype=dtype, kl_logits_dtype=kl_logits_dtype)
+    if need > int(0.9 * vmem_capacity):
+        return None
+    return dataclasses.replace(cfg, vmem_limit_bytes=min(vmem_capacity - 4 * MiB, max(32 * MiB, int(need * 1.2))))
+
+
+def _kernel(idx_smem, q_ref, kv_ref, vbits_ref, *refs, mode, scale, width_p, block_q, bf16, normalize,
+            unroll_slots: bool, kl: Optional[fused_kl.FusedKL]):
+    refs = list(refs)
+    lse_ref = shift_ref = None
+    if mode != "per_head":
+        lse_ref, shift_ref = refs.pop(0), refs.pop(0)  # (u or F) - sigma [bq, H]; sigma [8, bq] (row 0)
+    rowmax_ref = None
+    if kl is None:
+        out_ref = refs.pop(0)
+        if not normalize:
+            rowmax_ref = refs.pop(0)
+    else:
+        logits_ref, stats_ref = refs.pop(0), refs.pop(0)
+        grad_ref = refs.pop(0) if kl.emit_gradient else None
+    stage_ref, valid_ref, top_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    shift_col_ref = refs.pop(0) if mode != "per_head" else None
+    acc_ref = out_ref if kl is None else refs.pop(0)
+    planes, rows, lanes = kv_ref.shape
+    chunk = pl.program_id(1)  # 128 slots per grid step
+
+    # Gather the chunk's 128 slots of every query; the resident row is index & (R - 1). Unrolled: static SMEM
+    # offsets and staging rows (no address arithmetic but the chunk's base).
+    base = chunk * (LANES // 8)
+
+    def gather(t, j, tile, sublane):
+        row = idx_smem[t, j] & (rows - 1)
+        for p in range(planes):
+            stage_ref[t, p, base + tile, pl.ds(sublane, 1), :] = kv_ref[p, pl.ds(row, 1), :]
+
+    for t in range(block_q):
+        if unroll_slots:
+            for j in range(LANES):
+                gather(t, j, j // 8, j % 8)
+        else:
+            def body(j, carry, t=t):
+                gather(t, j, lax.shift_right_logical(j, 3), j & 7)
+                return carry
+
+            lax.fori_loop(0, LANES, body, 0)
+
+    @pl.when(chunk == pl.num_programs(1) - 1)
+    def _():
+        # One query at a time (a fori_loop: only one query's [H, K_p] temporaries live): V(t), u - sigma and sigma
+        # are read as rows of per-step blocks and turned into columns where the heads lie on sublanes.
+        valid_ref[...] = selection.expand_bits(vbits_ref, 0, width_p).astype(jnp.int32)  # [bq, K_p]
+        if mode != "per_head":
+            shift_col_ref[...] = common.rows_to_column(shift_ref[0:1, :])  # [bq, 1]
+
+        def per_query(t, carry):
+            q = q_ref[t]  # [H, D]
+            z = None
+            for p in range(planes):
+                words = stage_ref[t, p].reshape(width_p, lanes)  # [K_p, lanes] u32
+                if bf16:
+                    half = q.shape[1] // 2
+                    low = lax.bitcast_convert_type(jnp.left_shift(words, 16), jnp.float32).astype(jnp.bfloat16)
+                    high = lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), jnp.float32).astype(jnp.bfloat16)
+                    parts = ((q[:, p * lanes:(p + 1) * lanes], low),
+                             (q[:, half + p * lanes:half + (p + 1) * lanes], high))
+                else:
+                    parts = ((q[:, p * lanes:(p + 1) * lanes], lax.bitcast_convert_type(words, jnp.float32)),)
+                for qp, rows_p in parts:
+                    zp = lax.dot_general(qp, rows_p, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    z = zp if z is None else z + zp
+            valid = valid_ref[pl.ds(t, 1), :] > 0  # [1, K_p]
+            z = jnp.where(valid, z * (scale * rebase.LOG2E), -jnp.inf)  # [H, K_p], base 2
+            seen = jnp.max(valid.astype(jnp.float32), axis=1, keepdims=True) > 0  # [1, 1]
+            row_max = jnp.maximum(jnp.max(z, axis=1, keepdims=True), common.STAT_FLOOR)
+            total = jnp.sum(jnp.exp2(z - row_max), axis=1, keepdims=True)
+            c2 = jnp.where(total == 0, -jnp.inf, row_max + jnp.log2(jnp.where(total == 0, 1.0, total)))  # [H, 1]
+            c2 = jnp.where(seen & (c2 == -jnp.inf), jnp.nan, c2)  # saw a slot but no finite score: poisoned
+            if mode == "per_head":
+                g = jnp.where(c2 == -jnp.inf, jnp.inf, c2)
+                top = jnp.where(seen, 0.0, -jnp.inf)
+            else:
+                c2_row = common.column_to_rows(c2, 1)  # [1, H]
+                lse2 = lse_ref[pl.ds(t, 1), :] * rebase.LOG2E  # [1, H]
+                shift2 = shift_col_ref[pl.ds(t, 1), :] * rebase.LOG2E  # [1, 1]
+                b = rebase.head_log2_mass(mode, c2_row, lse2, shift2)
+                top = jnp.max(b, axis=1, keepdims=True)  # [1, 1]
+                g = common.rows_to_column(rebase.exponent_shift(c2_row, b, top))  # [H, 1]
+            acc_ref[pl.ds(t, 1), :] = jnp.sum(jnp.exp2(z - g), axis=0, keepdims=True)  # [1, K_p]
+            top_ref[pl.ds(t, 1), :] = jnp.broadcast_to(top, (1, 1))
+            return carry
+
+        lax.fori_loop(0, block_q, per_query, 0)
+        visible_at = lambda start, width: valid_ref[:, pl.ds(start, width)] > 0
+        if kl is not None:
+            fused_kl.kl_epilogue(kl, acc_ref, logits_ref, stats_ref, grad_ref, mask_target=True,
+                                 visible_at=visible_at)
+            return
+        valid = valid_ref[...] > 0
+        acc = jnp.where(valid, acc_ref[...], 0.0)
+        if normalize:
+            acc = acc / jnp.maximum(jnp.sum(acc, axis=1, keepdims=True), common.F32_TINY)
+        else:
+            tops_row = common.column_to_rows(top_ref[...], 1)  # [1, bq]
+            rowmax_ref[...] = jnp.concatenate([tops_row, jnp.zeros((common.SUBLANES - 1, block_q), jnp.float32)],
+                                              axis=0)
+        out_ref[...] = jnp.where(valid, acc, EMPTY_SLOT)
+
+
+def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherConfig, scale: float,
+                         normalize: bool = True, kl: Optional[fused_kl.FusedKL] = None, logits=None,
+                         interpret=False):
+    """Runs the gather teacher on padded, prepared inputs.
+
+    Args:
+      q: [B, S_p, H, D] bf16 or f32, S_p a multiple of cfg.block_q.
+      rows: u32 [B, planes, R, lanes] (`resident_rows`; blocks holding a non-finite value NaN-filled first).
+      idx: int32 [B, S_p, K_p] top-k indices (any values: a slot reads row idx & (R - 1)).
+      vbits: int32 [B, S_p, K_p / 32] slot bits (`selection.slot_bits`): V(t).
+      lse_in: None (per_head) or ((u or F) - sigma as f32 [B, S_p, H], sigma as row statistics [B, nq, 8, bq]).
+      normalize, kl, logits: as `teacher.teacher_pallas` (sparse mode).
+
+    Returns:
+      as `teacher.teacher_pallas` in sparse mode: P f32 [B, S_p, K_p] in slot order (-1 on empty slots), or
+      (head sum, M [B, nq, 8, bq]) with normalize=False, or the fused KL's statistics (and G).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    b, s_p, h, d = q.shape
+    k_p = idx.shape[2]
+    chunks = k_p // LANES
+    bq = cfg.block_q
+    nq = s_p // bq
+    bf16 = q.dtype == jnp.bfloat16
+    _, planes, n_rows, lanes = rows.shape
+    if n_rows & (n_rows - 1):
+        raise ValueError(f"rows: expected a power-of-two row count (`resident_rows`), got {n_rows}")
+    div = lambda p: common.index_div(p, nq)
+    rem = lambda p: common.index_rem(p, nq)
+    row = lambda p, c: (div(p), rem(p), 0)
+    tile4 = lambda p, c: (div(p), rem(p), 0, 0)
+    in_specs = [
+        pl.BlockSpec((None, bq, LANES), lambda p, c: (div(p), rem(p), c), memory_space=pltpu.SMEM),
+        pl.BlockSpec((None, bq, h, d), tile4),
+        pl.BlockSpec((None, planes, n_rows, lanes), lambda p, c: (div(p), 0, 0, 0), pipeline_mode=pl.Buffered(1)),
+        pl.BlockSpec((None, bq, vbits.shape[2]), row),
+    ]
+    operands = [idx, q, rows, vbits]
+    if mode != "per_head":
+        in_specs += [pl.BlockSpec((None, bq, h), row),
+                     pl.BlockSpec((None, None, common.SUBLANES, bq), tile4)]
+        operands += list(lse_in)
+    out_specs = pl.BlockSpec((None, bq, k_p), row)
+    out_shape = jax.ShapeDtypeStruct((b, s_p, k_p), jnp.float32)
+    if kl is None and not normalize:
+        out_specs = [out_specs, pl.BlockSpec((None, None, common.SUBLANES, bq), tile4)]
+        out_shape = [out_shape, jax.ShapeDtypeStruct((b, nq, common.SUBLANES, bq), jnp.float32)]
+    if kl is not None:
+        logits_spec, out_specs, out_shape = fused_kl.fused_kl_blocks(kl, logits, row, block_q=bq)
+        in_specs.append(logits_spec)
+        operands.append(logits)
+    scratch = [pltpu.VMEM((bq, planes, k_p // 8, 8, lanes), jnp.uint32), pltpu.VMEM((bq, k_p), jnp.int32),
+               pltpu.VMEM((bq, 1), jnp.float32)]
+    if mode != "per_head":
+        scratch.append(pltpu.VMEM((bq, 1), jnp.float32))
+    if kl is not None:
+        scratch.append(pltpu.VMEM((bq, k_p), jnp.float32))
+    kernel = functools.partial(_kernel, mode=mode, scale=scale, width_p=k_p, block_q=bq, bf16=bf16,
+                               normalize=normalize, unroll_slots=cfg.unroll_slots, kl=kl)
+    flops = 2 * b * s_p * k_p * h * d
+    kl_bytes = 0 if kl is None else logits.size * logits.dtype.itemsize * (2 if kl.emit_gradient else 1)
+    # q once, the resident rows once per core (2), the indices (SMEM blocks) and slot bits once.
+    bytes_accessed = (q.size * q.dtype.itemsize + 2 * rows.size * 4 + (idx.size + vbits.size) * 4 + kl_bytes
+                      + (0 if lse_in is None else lse_in[0].size * 4) + (0 if kl is not None else b * s_p * k_p * 4))
+    return pl.pallas_call(
+        kernel,
+        grid=(b * nq, chunks),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=cfg.vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(flops=flops, transcendentals=2 * b * s_p * k_p * h,
+                                      bytes_accessed=bytes_accessed),
+        interpret=interpret,
+        name=f"csa_sparse_gather_{mode}_bq{bq}{'' if cfg.unroll_slots else '_looped'}{'_kl' if kl else ''}",
+    )(*operands)
