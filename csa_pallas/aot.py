@@ -25,7 +25,6 @@ import numpy as np  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from csa_pallas.kernels import runtime  # noqa: E402
 
 DEFAULT_TOPOLOGY = "v5p:2x2x1"
 
@@ -91,8 +90,9 @@ def compile_for_tpu(fn: Callable, *args: Any, topology: str = DEFAULT_TOPOLOGY, 
     sharding = NamedSharding(single_chip_mesh(topology), PartitionSpec())
     placed = [_place(a, sharding) for a in args]
     bound = functools.partial(fn, **(static_kwargs or {}))
-    with runtime.compiling_for_tpu():  # real Mosaic kernels, not the CPU interpreter
-        return jax.jit(bound).lower(*placed).compile()
+    # No context needed: the kernels follow the lowering platform (`kernels.runtime`), so this is exactly the
+    # plain `jax.jit(...).lower(...).compile()` a MaxText AOT run does.
+    return jax.jit(bound).lower(*placed).compile()
 
 
 @dataclasses.dataclass(frozen=True)

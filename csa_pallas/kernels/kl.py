@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import common
+from csa_pallas.kernels import common, runtime
 from csa_pallas.kernels import schedule as schedule_lib
 
 STAT_ROWS = 8  # KL, lse, sum P, non-empty, padding to one sublane tile
@@ -147,7 +147,7 @@ def kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, *, schedule:
         in_specs += [pl.BlockSpec((None, bq, common.LANES), row_map),
                      pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map)]
         operands += [qmeta, kmeta]
-    return pl.pallas_call(
+    return runtime.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -240,7 +240,7 @@ def kl_backward_pallas(target, logits, qmeta, kmeta, firsts, counts, rowstats, *
         operands += [qmeta, kmeta]
     in_specs.append(pl.BlockSpec((None, None, STAT_ROWS, bq), stats_map))
     operands.append(rowstats)
-    return pl.pallas_call(
+    return runtime.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,

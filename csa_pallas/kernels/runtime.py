@@ -1,23 +1,35 @@
-"""How kernels run on this host: compiled (TPU, or AOT lowering for a TPU target) or interpreted (CPU/GPU).
+"""How kernels run: compiled Mosaic kernels when lowered for TPU, the Pallas interpreter for any other platform.
 
-On a non-TPU backend the kernels run in Pallas interpret mode automatically. `compiling_for_tpu()` is the
-context used by `csa_pallas.aot` while lowering for an abstract TPU on a CPU host: the kernels must then be real
-Mosaic kernels even though the default backend is CPU. `interpret_override(...)` lets tests pick an interpreter
-(e.g. `pltpu.InterpretParams(detect_races=True)`) for the calls made inside it.
+The choice follows the platform the program is *lowered for*, not the host's default backend: every kernel call
+is staged as `jax.lax.platform_dependent(tpu=<Mosaic kernel>, default=<interpreted kernel>)`, so one jitted
+function (and the jaxpr jit caches) compiles real Mosaic kernels for a TPU topology from a CPU host (MaxText's
+AOT `train_compile` flow: `jax.jit(f).lower(<structs on TPU devices>).compile()`) and interprets on CPU, in either
+order, with no context needed. Only the branch of the lowering platform is lowered, so the compiled TPU program
+holds no interpreter code and the CPU program no Mosaic call.
+
+`interpret_override(...)` pins the mode of the calls traced inside it (tests use it for
+`pltpu.InterpretParams(detect_races=True, ...)`); `compiling_for_tpu()` pins compiled kernels (kept for callers
+of earlier versions; no longer needed for AOT compiles).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import Callable
 
 import jax
+from jax.experimental import pallas as pl
+
+# interpret_mode() when nothing is pinned: the lowering platform decides (see `pallas_call`).
+FOLLOW_PLATFORM = "follow-the-lowering-platform"
 
 _MODE = contextvars.ContextVar("csa_pallas_kernel_mode", default=None)
 
 
 @contextlib.contextmanager
 def compiling_for_tpu():
+    """Pin compiled Mosaic kernels for the calls traced inside (lowering them for a CPU then fails)."""
     token = _MODE.set(False)
     try:
         yield
@@ -36,8 +48,19 @@ def interpret_override(interpret):
 
 
 def interpret_mode():
-    """The `interpret=` argument for pallas_call: False on TPU, True (or the override) elsewhere."""
+    """The `interpret=` argument for `pallas_call`: the pinned mode, or FOLLOW_PLATFORM."""
     forced = _MODE.get()
-    if forced is not None:
-        return forced
-    return jax.default_backend() != "tpu"
+    return FOLLOW_PLATFORM if forced is None else forced
+
+
+def pallas_call(kernel, *, interpret, **kwargs) -> Callable:
+    """`pl.pallas_call(kernel, **kwargs)` in the given mode; FOLLOW_PLATFORM stages both modes and lets lowering
+    pick: Mosaic for TPU, the interpreter for every other platform."""
+    if interpret is not FOLLOW_PLATFORM:
+        return pl.pallas_call(kernel, interpret=interpret, **kwargs)
+    compiled = pl.pallas_call(kernel, interpret=False, **kwargs)
+    interpreted = pl.pallas_call(kernel, interpret=True, **kwargs)
+
+    def call(*args):
+        return jax.lax.platform_dependent(*args, tpu=compiled, default=interpreted)
+    return call

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import common, slot_counts
+from csa_pallas.kernels import common, runtime, slot_counts
 
 WORD_BITS = 32
 LANES = common.LANES
@@ -83,7 +83,7 @@ def slot_bits_pallas(idx, *, limit=None, valid=None, rows: int = BUILD_ROWS, int
     from_limit = limit is not None
     src, src_spec = ((limit, pl.BlockSpec((None, 1, rows), lambda i, j: (i, 0, j))) if from_limit else
                      (valid, pl.BlockSpec((None, rows, k_p), lambda i, j: (i, j, 0))))
-    return pl.pallas_call(
+    return runtime.pallas_call(
         functools.partial(_slot_bits_kernel, from_limit=from_limit),
         grid=(b, s_p // rows),
         in_specs=[pl.BlockSpec((None, rows, k_p), lambda i, j: (i, j, 0)), src_spec],
@@ -166,7 +166,7 @@ def block_bits_pallas(idx, vbits, num_blocks_padded: int, *, rows: int = BUILD_R
         raise ValueError(f"rows: expected a divisor of the padded sequence length {s_p}, got {rows}")
     kernel = functools.partial(_build_kernel, num_words=num_words)
     nw = vbits.shape[2]
-    return pl.pallas_call(
+    return runtime.pallas_call(
         kernel,
         grid=(b, s_p // rows),
         in_specs=[pl.BlockSpec((None, rows, k_p), lambda i, j: (i, j, 0)),

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import common, fused_kl, rebase, selection
+from csa_pallas.kernels import common, fused_kl, rebase, runtime, selection
 
 MiB = 1 << 20
 LANES = common.LANES
@@ -286,7 +286,7 @@ def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherC
     # q once, the resident rows once per core (2), the indices (SMEM blocks) and slot bits once.
     bytes_accessed = (q.size * q.dtype.itemsize + 2 * rows.size * 4 + (idx.size + vbits.size) * 4 + kl_bytes
                       + (0 if lse_in is None else lse_in[0].size * 4) + (0 if kl is not None else b * s_p * k_p * 4))
-    return pl.pallas_call(
+    return runtime.pallas_call(
         kernel,
         grid=(b * nq, chunks),
         in_specs=in_specs,

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import common, fused_kl, rebase, selection, slot_counts
+from csa_pallas.kernels import common, fused_kl, rebase, runtime, selection, slot_counts
 from csa_pallas.kernels import schedule as schedule_lib
 
 MODES = ("per_head", "joint", "full_lse")
@@ -233,6 +233,7 @@ def default_config(*, num_heads: int, head_dim: int, seq_len: int, num_blocks: i
                          if num_heads % d == 0 and d * bq <= budget.target_rows)
     # One matmul (cached scores) beats a larger query tile: try every tile with the cache first. Sparse mode also
     # narrows its (wide) kv tile before giving the cache up (S = 32K: bk 1024 cached 26.0 ms, uncached 40.7 ms).
+    # (A taller query tile before a wider kv tile was tried: S = 16K bq32/bk256 7.18 ms vs bq16/bk512 7.17 ms.)
     widths = [bk] if width is None else [w for w in (bk, bk // 2, bk // 4) if w >= min(bk, 256)]
     for cache in (True, False):
         for block_k in widths:
@@ -778,7 +779,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     kernel = functools.partial(_kernel, mode=mode, walk=walk, nh=nh, layout=layout, group=group, scale=scale,
                                normalize=normalize, straight_pass2=straight_pass2, kl=kl, seq_len=seq_len, sel=sel)
     order = "tok" if layout.token_major else "head"
-    return pl.pallas_call(
+    return runtime.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2 if sel is None else 3,

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import common
+from csa_pallas.kernels import common, runtime
 
 MiB = 1 << 20
 LOG2E = math.log2(math.e)
@@ -277,7 +277,7 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, sinks=None, *, cfg: WindowConf
     scratch = [pltpu.VMEM(stats, jnp.float32), pltpu.VMEM(stats, jnp.float32)]
     if not layout.token_major:
         scratch.append(pltpu.VMEM((hc * bq, d), q.dtype))
-    out = pl.pallas_call(
+    out = runtime.pallas_call(
         kernel,
         grid=(b * nq, nh, common.cdiv(band, tiles)),
         in_specs=in_specs,

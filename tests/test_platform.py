@@ -1,0 +1,100 @@
+"""The kernels' mode follows the platform a program is lowered for (issue 14, item 1).
+
+MaxText's AOT flow compiles for a TPU topology on a CPU host with a plain `jax.jit(f).lower(<structs on TPU
+devices>).compile()`. That must give real Mosaic kernels (not the CPU interpreter) with no csa_pallas context, and
+the same jitted function must still interpret on CPU, whichever of the two is lowered first (jit caches one
+jaxpr for both: `kernels.runtime.pallas_call` stages both modes with `lax.platform_dependent`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import csa_pallas
+from csa_pallas import aot
+from csa_pallas.kernels import runtime
+from aot_cases import require_libtpu
+
+MiB = 1 << 20
+MOSAIC_CALL = "tpu_custom_call"
+
+
+def _on_one_chip(*structs):
+    sharding = NamedSharding(aot.single_chip_mesh(), PartitionSpec())
+    return [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in structs]
+
+
+def _loss_and_grad(sparse: bool):
+    def program(logits, q, kv, topk):
+        loss = lambda x: csa_pallas.indexer_distill_loss(  # noqa: E731
+            x, q, kv, topk_indices=topk if sparse else None, target="per_head", implementation="pallas")
+        return jax.value_and_grad(loss)(logits)
+    return program
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse_k512"])
+def test_plain_jit_compile_for_v5p_from_a_cpu_host_gets_mosaic_kernels(sparse):
+    """Flash shape S = 4096, forward + backward, no context: Mosaic calls present, temp HBM within the bound
+    the AOT suites assert (1/2 of one [B, S, N] f32 array; the interpreter lowering needed 564 MiB)."""
+    require_libtpu()
+    assert runtime.interpret_mode() is runtime.FOLLOW_PLATFORM  # nothing pinned
+    seq, heads, dim, width = 4096, 64, 512, 512
+    n = seq // 4
+    structs = _on_one_chip(
+        jax.ShapeDtypeStruct((1, seq, width if sparse else n), jnp.float32),
+        jax.ShapeDtypeStruct((1, seq, heads, dim), jnp.bfloat16), jax.ShapeDtypeStruct((1, n, dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, seq, width), jnp.int32))
+    if not sparse:
+        structs[3] = None
+    compiled = jax.jit(_loss_and_grad(sparse)).lower(*structs).compile()
+    text = compiled.as_text()
+    assert text.count(MOSAIC_CALL) >= (3 if sparse else 1), text.count(MOSAIC_CALL)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert 0 < temp <= seq * n * 4 // 2, temp / MiB
+
+
+@pytest.mark.parametrize("order", ["cpu_then_tpu", "tpu_then_cpu"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_one_jitted_function_interprets_on_cpu_and_compiles_for_tpu_in_either_order(order, sparse):
+    require_libtpu()
+    b, s, h, d, k = 1, 256, 4, 128, 16
+    n = s // 4
+    keys = jax.random.split(jax.random.key(7), 4)
+    logits = jax.random.normal(keys[0], (b, s, k if sparse else n), jnp.float32)
+    q = jax.random.normal(keys[1], (b, s, h, d), jnp.bfloat16)
+    kv = jax.random.normal(keys[2], (b, n, d), jnp.bfloat16)
+    topk = jax.random.randint(keys[3], (b, s, k), -1, n, jnp.int32)
+    args = (logits, q, kv, topk if sparse else None)
+    jitted = jax.jit(_loss_and_grad(sparse))
+
+    def on_cpu():
+        value, grad = jitted(*args)
+        ref_value, ref_grad = jax.value_and_grad(lambda x: csa_pallas.indexer_distill_loss(
+            x, q, kv, topk_indices=args[3], target="per_head", implementation="xla"))(logits)
+        np.testing.assert_allclose(float(value), float(ref_value), rtol=2e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=2e-5, atol=1e-7)
+        cpu_text = jitted.lower(*args).as_text()
+        assert MOSAIC_CALL not in cpu_text  # only the interpreter branch is lowered for CPU
+
+    def for_tpu():
+        structs = _on_one_chip(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args if a is not None))
+        if not sparse:
+            structs.append(None)
+        compiled = jitted.lower(*structs).compile()
+        assert MOSAIC_CALL in compiled.as_text()
+
+    steps = (on_cpu, for_tpu) if order == "cpu_then_tpu" else (for_tpu, on_cpu)
+    for step in steps:
+        step()
+
+
+def test_pinned_modes_still_pin():
+    """`interpret_override` (the tests' race-checking interpreter) and `compiling_for_tpu` fix the mode of the
+    calls traced inside; outside, the lowering platform decides."""
+    with runtime.interpret_override(True):
+        assert runtime.interpret_mode() is True
+    with runtime.compiling_for_tpu():
+        assert runtime.interpret_mode() is False
+    assert runtime.interpret_mode() is runtime.FOLLOW_PLATFORM
