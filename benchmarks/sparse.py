@@ -1,7 +1,7 @@
 """Sparse (top-k) mode at DeepSeek-V4 shapes: both paths, static v5p estimates, memory, and selection patterns.
 
     python -m benchmarks.sparse --seq 4096 32768 --width 512             # estimates + memory, CSV/JSON + plot
-    python -m benchmarks.sparse --seq 4096 16384 32768 65536 131072 --width 512 1024 --baseline
+    python -m benchmarks.sparse --seq 4096 16384 32768 65536 131072 --width 512 1024 --baseline --dense
 
 What each row measures, and how (no TPU: nothing here is a wall-clock measurement):
 
@@ -19,8 +19,10 @@ What each row measures, and how (no TPU: nothing here is a wall-clock measuremen
   compiled program's cost analysis; `bw_floor_us` = bytes / 2.46 TB/s; `best_us` = max(estimate, bw floor).
 * `dmas`: block DMAs the kernel issues (one per block-index change of each operand along its grid; the gather
   path's resident rows once per core), computed from the tiling.
-* `floor_us`: the K-proportional MXU floor 2 B S K H D / 459 TFLOP/s (the scores of the selected slots).
+* `floor_us`: the K-proportional MXU floor 2 B H D sum_t min(K, visible blocks of t) / 459 TFLOP/s (the scores of
+  the selected slots; 2 B S K H D / peak once every query sees K blocks).
 * `temp_mib` / `peak_mib`: v5p AOT `memory_analysis()` of the program (exact for the compiled program).
+* `dense mode`: the dense loss (every visible block) on the same shape, the bar sparse mode must not exceed.
 * `baseline`: `xla_baseline.sparse_loss` (the Primus eager gather); its loop trip count is data-dependent, so the
   estimator gives a lower bound only (printed as such).
 """
@@ -56,6 +58,13 @@ def heads_for(width: int) -> int:
     return 128 if width >= 1024 else 64  # V4-Pro widths with K = 1024, V4-Flash otherwise
 
 
+def mxu_floor_us(seq: int, width: int) -> float:
+    """The K-proportional MXU floor: 2 B H D x (selectable slots, summed over queries) / peak, where query t can
+    select min(K, visible blocks) slots (the scores of the selected slots and nothing else)."""
+    slots = np.minimum(width, (np.arange(seq) + 1) // M).sum()
+    return 2 * B * heads_for(width) * D * float(slots) / PEAK_FLOPS * 1e6
+
+
 def load_tpu_estimate():
     tools = os.environ.get("CSA_PALLAS_TPU_ESTIMATE_DIR", os.path.join(REPO, "..", "shared", "tools"))
     sys.path.insert(0, os.path.abspath(tools))
@@ -81,6 +90,21 @@ def loss_program(path: str):
                 x, q, kv, topk_indices=topk, target="per_head", implementation="pallas",
                 config={"path": path}))(logits)
     return fn
+
+
+def dense_program(logits, q, kv):
+    """fwd+bwd of dense mode (every visible block, no top-k; logits [B, S, N]) on the same shape: the cost sparse
+    mode must not exceed."""
+    import csa_pallas
+    from csa_pallas.kernels import runtime
+    with runtime.compiling_for_tpu():
+        return jax.value_and_grad(lambda x: csa_pallas.indexer_distill_loss(
+            x, q, kv, target="per_head", implementation="pallas"))(logits)
+
+
+def dense_structs(seq: int, width: int):
+    _, q, kv, _ = structs(seq, width)
+    return (jax.ShapeDtypeStruct((B, seq, seq // M), jnp.float32), q, kv)
 
 
 def baseline_program(logits, q, kv, topk):
@@ -181,15 +205,15 @@ def estimate(te, fn, args, label: str, **switches):
                 temp=(m.get("temp_bytes") or 0) / MiB, peak=(m.get("peak_bytes") or 0) / MiB, warnings=warn)
 
 
-def run(seqs, widths, baseline: bool, out_dir: str):
+def run(seqs, widths, baseline: bool, out_dir: str, dense: bool = False, paths=("visit", "gather"), rows=None):
     te = load_tpu_estimate()
-    rows = []
+    rows = [] if rows is None else rows
     for width in widths:
         for seq in seqs:
             h = heads_for(width)
-            floor = 2 * B * seq * width * h * D / PEAK_FLOPS * 1e6
+            floor = mxu_floor_us(seq, width)
             args = structs(seq, width)
-            for path in ("visit", "gather"):
+            for path in paths:
                 try:
                     layout = layout_for(seq, width, path)
                 except ValueError as e:  # e.g. the gather path's resident rows do not fit in VMEM
@@ -220,6 +244,12 @@ def run(seqs, widths, baseline: bool, out_dir: str):
                                         max(derived, bw), dmas, floor, main["temp"], main["peak"],
                                         f"active tiles {frac:.3f}; none {none:.0f} us; {note}"))
                 print(f"  [{path} S={seq} K={width}: {time.time() - t0:.0f} s]", file=sys.stderr, flush=True)
+                write(rows, out_dir)
+            if dense:
+                res = estimate(te, dense_program, dense_structs(seq, width), f"dense_{seq}_{width}")
+                rows.append(Row(seq, width, h, "dense mode", "all blocks", res["us"], res["us"], res["bytes"],
+                                (res["bytes"] or float("nan")) / HBM_BW * 1e6, res["us"], floor_us=floor,
+                                temp_mib=res["temp"], peak_mib=res["peak"], note="; ".join(res["warnings"])[:200]))
                 write(rows, out_dir)
             if baseline:
                 res = estimate(te, baseline_program, args, f"baseline_{seq}_{width}")
@@ -270,6 +300,9 @@ def plot(rows, out_dir) -> str:
                     color="C0", label=f"visit path, {pattern}")
         ax.plot(*series(lambda r: r.program == "gather", "est_us"), "s-", color="C1", label="gather path (any)")
         ax.plot(*series(lambda r: r.program == "gather", "floor_us"), "k:", label="K-proportional MXU floor")
+        dense = series(lambda r: r.program == "dense mode", "est_us")
+        if dense[0]:
+            ax.plot(*dense, "d--", color="C2", label="dense mode (all blocks)")
         base = series(lambda r: r.program.startswith("xla"), "est_us")
         if base[0]:
             ax.plot(*base, "^-", color="C3", label="XLA gather baseline")
@@ -295,14 +328,27 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, nargs="*", default=[4096, 16384, 32768, 65536, 131072])
     parser.add_argument("--width", type=int, nargs="*", default=[512])
     parser.add_argument("--baseline", action="store_true", help="also the XLA gather baseline (lower bounds)")
+    parser.add_argument("--dense", action="store_true", help="also dense mode on the same shape (per_head)")
     parser.add_argument("--out", default=os.path.join(REPO, "results", "sparse"))
+    parser.add_argument("--paths", nargs="*", default=["visit", "gather"], choices=["visit", "gather"],
+                        help="sparse paths to estimate (none: only --dense / --baseline rows)")
+    parser.add_argument("--append", action="store_true", help="add the new rows to the saved JSON in --out")
     parser.add_argument("--replot", action="store_true", help="re-print and re-plot the saved JSON")
     args = parser.parse_args(argv)
     if args.replot:
         with open(os.path.join(args.out, "sparse.json")) as f:
             rows = [Row(**r) for r in json.load(f)]
+        for r in rows:
+            r.floor_us = mxu_floor_us(r.seq, r.width)
     else:
-        rows = run(args.seq, args.width, args.baseline, args.out)
+        saved = []
+        if args.append:
+            with open(os.path.join(args.out, "sparse.json")) as f:
+                saved = [Row(**r) for r in json.load(f)]
+        rows = run(args.seq, args.width, args.baseline, args.out, args.dense, args.paths, saved)
+        latest = {(r.seq, r.width, r.program, r.pattern): r for r in rows}  # a re-measured row replaces the saved one
+        rows = sorted(latest.values(), key=lambda r: (r.width, r.seq))
+        write(rows, args.out)
     print("Sparse loss, fwd+bwd, per_head, static v5p estimates (tpu_estimate BEST ESTIMATE; not measurements)")
     print(table(rows))
     print(f"plot: {plot(rows, args.out)}")

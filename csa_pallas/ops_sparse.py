@@ -41,9 +41,10 @@ MAX_KL_LANES = 2048
 
 
 PATHS = ("visit", "gather")
-# Dispatch (static, from N, K and the chip's VMEM): the K-proportional gather path once N >= GATHER_BLOCKS_PER_SLOT * K
-# (and its resident rows fit in VMEM), the dense-visit path below. See `choose_path`.
-GATHER_BLOCKS_PER_SLOT = 9
+# Dispatch (static, from N, H, K and the chip's VMEM): the K-proportional gather path once
+# N * H >= GATHER_HEAD_BLOCKS_PER_SLOT * K (and its resident rows fit in VMEM), the dense-visit path below.
+# See `choose_path`.
+GATHER_HEAD_BLOCKS_PER_SLOT = 600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +61,18 @@ class SparseLayout:
 
 
 def choose_path(problem: Problem, forced: Optional[str] = None, gather_fits: bool = True) -> str:
-    """"gather" when N >= GATHER_BLOCKS_PER_SLOT * K (and its resident rows fit in VMEM), else "visit"; `forced`
-    (the config's "path") overrides. The visit path visits every causally visible kv tile some query of the tile
-    selected from, ~N/2 (query, block) pairs per query for a selection spread over the whole past; the gather path
-    costs ~K gathered rows per query (~2 bundles each, plus a [H, D] x [D, K] product) whatever the selection.
-    Static v5p estimates at the Flash shape, K = 512, uniform selections, forward + backward per_head: S = 16K visit
-    7.1 / gather 7.8 ms, S = 32K 26.0 / 15.7 ms (visit grows as S^2, gather as S): they cross near S = 18K,
-    N = 9 K. A selection concentrated on recent blocks (banded) skips most of the visit path's tiles, so below the
-    crossover the visit path is the better worst case and far better for local selections."""
+    """"gather" when N * H >= GATHER_HEAD_BLOCKS_PER_SLOT * K (and its resident rows fit in VMEM), else "visit";
+    `forced` (the config's "path") overrides. H is the call's heads (the local heads under head sharding).
+
+    Why this form: the visit path multiplies every causally visible kv tile some query of the tile selected from,
+    ~N/2 blocks x H heads per query for a selection spread over the whole past, so it costs ~N H; the gather path
+    costs ~K gathered rows per query (~2 bundles each, whatever H) plus a [H, D] x [D, K] product, so at these
+    widths it costs ~K. Static v5p estimates, uniform selections, forward + backward per_head (`benchmarks/sparse.py`):
+    Flash (H = 64, K = 512) S = 16K visit 7.2 / gather 8.1 ms, S = 32K 26.3 / 16.1 ms; Pro widths (H = 128,
+    K = 1024) S = 16K 14.9 / 17.4 ms, S = 32K 54.0 / 34.9 ms. Visit grows as S^1.86, gather as S: they cross at
+    N H / K = 585 (Flash) and 614 (Pro). A selection concentrated on recent blocks (banded) skips most of the visit
+    path's tiles, so below the crossover the visit path is the better worst case and far better for local
+    selections; above it, the gather path's worst case wins."""
     if forced is not None:
         if forced not in PATHS:
             raise ValueError(f"config: 'path' expected one of {PATHS}, got {forced!r}")
@@ -75,7 +80,8 @@ def choose_path(problem: Problem, forced: Optional[str] = None, gather_fits: boo
             raise ValueError("config: path 'gather' needs the compressed KV of one batch element resident in VMEM "
                              f"({problem.num_blocks} blocks x {problem.head_dim} does not fit)")
         return forced
-    return "gather" if problem.num_blocks >= GATHER_BLOCKS_PER_SLOT * problem.width and gather_fits else "visit"
+    spread_cost = problem.num_blocks * problem.num_heads
+    return "gather" if spread_cost >= GATHER_HEAD_BLOCKS_PER_SLOT * problem.width and gather_fits else "visit"
 
 
 def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLayout:

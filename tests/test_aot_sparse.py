@@ -59,7 +59,8 @@ def test_sparse_head_major_rows_compile():
 
 @pytest.mark.parametrize("name, seq, heads, width, cfg, path", [
     ("flash_visit_forced", 32768, 64, 512, {"path": "visit"}, "visit"),
-    ("pro_k1024", 32768, 128, 1024, None, "visit"),
+    ("pro_k1024", 16384, 128, 1024, None, "visit"),  # N H / K = 512 < 600
+    ("pro_k1024_32k", 32768, 128, 1024, None, "gather"),  # 1,024 >= 600
     ("pro_k1024_gather", 131072, 128, 1024, None, "gather"),
 ])
 def test_sparse_long_context_paths_compile_within_memory_bound(name, seq, heads, width, cfg, path):

@@ -88,10 +88,36 @@ def problem_for(seq, width, num_blocks_ratio=1, heads=2, head_dim=32):
                                window_kv=a["window_kv"])
 
 
+def _abstract_layout(seq, heads, width, head_dim=512):
+    found = {}
+
+    def trace(q, kv, idx):
+        problem = validation.validate(q, kv, topk_indices=idx, target="per_head")
+        found["layout"] = ops_sparse.sparse_layout(problem, None, kl_logits_dtype=jnp.float32)
+        return jnp.zeros(())
+
+    s = jax.ShapeDtypeStruct
+    jax.eval_shape(trace, s((1, seq, heads, head_dim), jnp.bfloat16), s((1, seq // 4, head_dim), jnp.bfloat16),
+                   s((1, seq, width), jnp.int32))
+    return found["layout"]
+
+
+@pytest.mark.parametrize("seq, heads, width, path", [
+    (4096, 64, 512, "visit"), (16384, 64, 512, "visit"), (32768, 64, 512, "gather"), (131072, 64, 512, "gather"),
+    (16384, 128, 1024, "visit"), (32768, 128, 1024, "gather"), (131072, 128, 1024, "gather"),
+    (32768, 8, 512, "visit"),  # 8 local heads (a head-sharded Flash layer): visiting is 8x cheaper
+    (131072, 16, 512, "gather"),
+])
+def test_dispatch_at_deepseek_v4_shapes(seq, heads, width, path):
+    assert _abstract_layout(seq, heads, width).path == path
+
+
 def test_dispatch_rule_and_forced_paths():
-    # gather once N >= 9 K (the uniform-selection crossover of the static estimates), visit below.
-    assert ops_sparse.sparse_layout(problem_for(256, 16)).path == "gather"  # N = 256 >= 144
-    assert ops_sparse.sparse_layout(problem_for(256, 64)).path == "visit"  # N = 256 < 576
+    # gather once N H >= 600 K (the uniform-selection crossover of the static estimates), visit below.
+    assert ops_sparse.GATHER_HEAD_BLOCKS_PER_SLOT == 600
+    assert ops_sparse.sparse_layout(problem_for(256, 16, heads=64)).path == "gather"  # 256 * 64 >= 600 * 16
+    assert ops_sparse.sparse_layout(problem_for(256, 16, heads=32)).path == "visit"  # 256 * 32 < 600 * 16
+    assert ops_sparse.sparse_layout(problem_for(256, 64, heads=64)).path == "visit"  # 256 * 64 < 600 * 64
     assert ops_sparse.sparse_layout(problem_for(256, 64), {"path": "gather"}).path == "gather"
     assert ops_sparse.sparse_layout(problem_for(256, 16), {"path": "visit", "block_q": 32}).cfg.block_q == 32
     layout = ops_sparse.sparse_layout(problem_for(256, 16), {"path": "gather", "block_q": 16})
