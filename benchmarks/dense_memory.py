@@ -355,7 +355,7 @@ def load_tpu_estimate():
     tools = os.environ.get("CSA_PALLAS_TPU_ESTIMATE_DIR", os.path.join(REPO, "..", "shared", "tools"))
     tools = os.path.abspath(tools)
     if not os.path.exists(os.path.join(tools, "tpu_estimate.py")):
-        raise SystemExit(f"--estimate: tpu_estimate.py not found in {tools} (set CSA_PALLAS_TPU_ESTIMATE_DIR)")
+        raise SystemExit(f"static estimates: tpu_estimate.py not found in {tools} (set CSA_PALLAS_TPU_ESTIMATE_DIR)")
     if tools not in sys.path:
         sys.path.insert(0, tools)
     import tpu_estimate

@@ -45,6 +45,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks.dense_memory import load_tpu_estimate  # noqa: E402  (one estimator loader for the benchmarks)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 B, D, M, W = 1, 512, 4, 128
@@ -63,13 +65,6 @@ def mxu_floor_us(seq: int, width: int) -> float:
     select min(K, visible blocks) slots (the scores of the selected slots and nothing else)."""
     slots = np.minimum(width, (np.arange(seq) + 1) // M).sum()
     return 2 * B * heads_for(width) * D * float(slots) / PEAK_FLOPS * 1e6
-
-
-def load_tpu_estimate():
-    tools = os.environ.get("CSA_PALLAS_TPU_ESTIMATE_DIR", os.path.join(REPO, "..", "shared", "tools"))
-    sys.path.insert(0, os.path.abspath(tools))
-    import tpu_estimate
-    return tpu_estimate
 
 
 def structs(seq: int, width: int):
@@ -114,16 +109,8 @@ def baseline_program(logits, q, kv, topk):
 
 def layout_for(seq: int, width: int, path: str):
     """The sparse layout the loss program uses (traced abstractly: no arrays)."""
-    from csa_pallas import ops_sparse, validation
-    found = {}
-
-    def trace(q, kv, topk):
-        problem = validation.validate(q, kv, topk_indices=topk, target="per_head")
-        found["layout"] = ops_sparse.sparse_layout(problem, {"path": path}, kl_logits_dtype=jnp.float32)
-        return jnp.zeros(())
-
-    jax.eval_shape(trace, *structs(seq, width)[1:])
-    return found["layout"]
+    from csa_pallas import ops_sparse
+    return ops_sparse.abstract_layout(*structs(seq, width)[1:], {"path": path}, kl_logits_dtype=jnp.float32)
 
 
 def pattern_indices(pattern: str, seq: int, width: int, seed: int = 0) -> np.ndarray:
@@ -229,10 +216,9 @@ def run(seqs, widths, baseline: bool, out_dir: str, dense: bool = False, paths=(
                 bw = (main["bytes"] or float("nan")) / HBM_BW * 1e6
                 note = "; ".join(main["warnings"])[:200]
                 if path == "gather":
-                    best = max(main["us"] or float("nan"), bw)
-                    rows.append(Row(seq, width, h, "gather", "any", main["us"] or float("nan"), main["us"] or float("nan"),
-                                    main["bytes"] or float("nan"), bw, best, dmas, floor, main["temp"], main["peak"],
-                                    note))
+                    us = main["us"] or float("nan")
+                    rows.append(Row(seq, width, h, "gather", "any", us, us, main["bytes"] or float("nan"), bw,
+                                    max(us, bw), dmas, floor, main["temp"], main["peak"], note))
                 else:
                     for pattern in PATTERNS:
                         frac = active_fraction(pattern_indices(pattern, seq, width), layout.cfg.block_q,

@@ -2,8 +2,8 @@
 
 Data flow of `indexer_distill_loss` (sparse mode):
 
-  topk_indices, ids, loss_mask ──> slot bits (XLA: V(t)) ──> [visit path: block bits (Pallas), per-tile flags (XLA)]
-  q, compressed_kv, ids ──> [window_lse kernel ─> u] ──> sparse teacher kernel with the KL fused into its last step
+  topk_indices, ids, loss_mask ──> slot bits (V(t)) ──> [visit path: block bits, per-tile flags (XLA)]
+  q, compressed_kv, ids ──> [window_lse kernel ─> u] ──> sparse teacher kernel, the KL fused into its last step
       ──> per-row KL, lse, sum P, non-empty ──> reduction (XLA);  under jax.grad: G [B, S, K], the only residual
   backward: dI = per-row cotangent * G;  zeros for every teacher input.
 
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from csa_pallas import masks
 from csa_pallas import ops
 from csa_pallas import reference
+from csa_pallas import validation
 from csa_pallas.kernels import common
 from csa_pallas.kernels import fused_kl
 from csa_pallas.kernels import runtime
@@ -117,7 +118,6 @@ def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLay
         cfg = teacher_kernel.with_overrides(default, cfg)
     s_p = common.round_up(problem.seq_len, math.lcm(cfg.block_q, selection.build_rows(problem.seq_len)))
     n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
-    k_p = common.round_up(problem.width, common.LANES)
     # Default positions: the causal prefix of each query tile is static (the selection already holds V(t), so
     # a loss_mask needs no table schedule here); otherwise the ranges come from the selected tiles.
     schedule = schedule_lib.TileSchedule(causal=problem.default_ids, nq=s_p // cfg.block_q,
@@ -125,6 +125,22 @@ def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLay
                                          ratio=problem.compress_ratio, num_blocks=problem.num_blocks)
     return SparseLayout(cfg=cfg, schedule=schedule, padded_seq=s_p, padded_blocks=n_p, padded_width=k_p,
                         path="visit")
+
+
+def abstract_layout(q, compressed_kv, topk_indices, config=None, *, target: str = "per_head", kl_logits_dtype=None,
+                    **ids) -> SparseLayout:
+    """The layout `sparse_layout` picks for inputs of these shapes (`jax.ShapeDtypeStruct`s, traced abstractly:
+    nothing is computed), e.g. which path and tiles a DeepSeek-V4 shape gets. ids: the id arguments of
+    `validation.validate` (kv_segment_ids, ...)."""
+    found = {}
+
+    def trace(q, kv, idx, ids):
+        problem = validation.validate(q, kv, topk_indices=idx, target=target, **ids)
+        found["layout"] = sparse_layout(problem, config, kl_logits_dtype=kl_logits_dtype)
+        return jnp.zeros(())
+
+    jax.eval_shape(trace, q, compressed_kv, topk_indices, ids)
+    return found["layout"]
 
 
 def normalize_slots(head_sum: jax.Array) -> jax.Array:
@@ -136,12 +152,17 @@ def normalize_slots(head_sum: jax.Array) -> jax.Array:
     return jnp.where(valid, acc / jnp.maximum(total, common.F32_TINY), teacher_kernel.EMPTY_SLOT)
 
 
+def _visible_limit(problem: Problem) -> jax.Array:
+    """Default ids: int [B, S], row t sees blocks [0, limit): block s is complete at t = (s + 1) m - 1, so
+    s < (t + 1) // m (clamped to N: no int32 overflow)."""
+    return jnp.minimum((problem.positions + 1) // problem.compress_ratio, problem.num_blocks)
+
+
 def slot_validity(problem: Problem) -> jax.Array:
     """bool [B, S, K]: slot k of row t is in V(t) (SPEC §2) and the row takes part in the loss."""
     idx = problem.topk_indices
-    if problem.default_ids:  # block s is complete at t = (s + 1) m - 1: s < (t + 1) // m (no int32 overflow)
-        limit = jnp.minimum((problem.positions + 1) // problem.compress_ratio, problem.num_blocks)
-        valid = (idx >= 0) & (idx < limit[:, :, None])
+    if problem.default_ids:
+        valid = (idx >= 0) & (idx < _visible_limit(problem)[:, :, None])
     else:
         block_segment, block_end = reference.block_keys(problem)
         valid = masks.slot_visible(idx, problem.segment_ids, problem.positions, block_segment, block_end)
@@ -176,7 +197,7 @@ def padded_slot_bits(problem: Problem, layout: SparseLayout, idx=None) -> jax.Ar
     interpret = runtime.interpret_mode()
     rows = selection.build_rows(problem.seq_len)
     if problem.default_ids:
-        limit = jnp.minimum((problem.positions + 1) // problem.compress_ratio, problem.num_blocks)
+        limit = _visible_limit(problem)
         if problem.loss_mask is not None:
             limit = jnp.where(problem.loss_mask, limit, 0)
         limit = ops.pad_axis(limit.astype(jnp.int32), 1, layout.padded_seq)[:, None, :]  # padding rows: 0
@@ -219,20 +240,20 @@ def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
     return mode, q, kv, lse_in
 
 
-def _launch(problem: Problem, layout: SparseLayout, operands, *, mode, normalize=True, kl=None, logits=None,
-            interpret=None):
+def _launch(layout: SparseLayout, operands, *, mode, scale: float, seq_len: int, normalize=True, kl=None,
+            logits=None, interpret=None):
     """The sparse teacher of the layout's path on prepared operands (q, kv, lse_in, the top-k indices, the slot
-    bits, and for the visit path the block bits, ranges and tables)."""
+    bits, and for the visit path the block bits, ranges and tables); scale: the softmax scale, seq_len: S."""
     interpret = runtime.interpret_mode() if interpret is None else interpret
     q, kv, lse_in, idx, vbits, *visit = operands
     if layout.path == "gather":
         return sparse_gather.sparse_gather_pallas(q, kv, idx, vbits, lse_in, mode=mode, cfg=layout.cfg,
-                                                  scale=problem.softmax_scale, normalize=normalize, kl=kl,
+                                                  scale=scale, normalize=normalize, kl=kl,
                                                   logits=logits, interpret=interpret)
     bits, firsts, counts, tables = visit
     return teacher_kernel.teacher_pallas(q, kv, None, None, firsts, counts, lse_in, mode=mode, cfg=layout.cfg,
-                                         scale=problem.softmax_scale, schedule=layout.schedule, normalize=normalize,
-                                         seq_len=problem.seq_len, kl=kl, logits=logits,
+                                         scale=scale, schedule=layout.schedule, normalize=normalize,
+                                         seq_len=seq_len, kl=kl, logits=logits,
                                          picks=(idx, vbits, bits, tables), interpret=interpret)
 
 
@@ -250,7 +271,8 @@ def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = Tru
     """P' f32 [B, S_p, K_p]: slot-order target on valid slots, -1 on empty slots (and padding). normalize=False:
     (the unnormalised slot head sum, the rows' M f32 [B, S_p], base 2), see `ops.teacher_padded`."""
     mode, operands = kernel_operands(problem, layout, reduce_low)
-    out = _launch(problem, layout, operands, mode=mode, normalize=normalize)
+    out = _launch(layout, operands, mode=mode, scale=problem.softmax_scale, seq_len=problem.seq_len,
+                  normalize=normalize)
     if normalize:
         return jax.lax.stop_gradient(out)
     head_sum, rowmax = out
@@ -288,22 +310,11 @@ def kl_rows(indexer_logits, target_padded, layout: SparseLayout):
 class _FusedSparse:
     """FusedStatic.run for sparse mode: launches the layout's path with the fused KL."""
 
-    problem_static: tuple  # (softmax_scale, num_blocks, head_dim, seq_len): what `_launch` reads of the problem
     layout: SparseLayout
 
     def __call__(self, static: ops.FusedStatic, kl, logits, operands):
-        scale, num_blocks, head_dim, seq_len = self.problem_static
-        problem = _StaticProblem(softmax_scale=scale, num_blocks=num_blocks, head_dim=head_dim, seq_len=seq_len)
-        return _launch(problem, self.layout, operands, mode=static.mode, kl=kl, logits=logits,
-                       interpret=static.interpret)
-
-
-@dataclasses.dataclass(frozen=True)
-class _StaticProblem:
-    softmax_scale: float
-    num_blocks: int
-    head_dim: int
-    seq_len: int
+        return _launch(self.layout, operands, mode=static.mode, scale=static.scale, seq_len=static.seq_len, kl=kl,
+                       logits=logits, interpret=static.interpret)
 
 
 def fused_kl_rows(indexer_logits, problem: Problem, layout: SparseLayout,
@@ -311,9 +322,9 @@ def fused_kl_rows(indexer_logits, problem: Problem, layout: SparseLayout,
     """Per-row KL over the K slots [B, S] and the non-empty mask [B, S] from the sparse teacher kernel (either
     path) with the fused KL (P stays in VMEM; V(t) = the row's valid slots)."""
     mode, operands = kernel_operands(problem, layout)
-    run = _FusedSparse((problem.softmax_scale, problem.num_blocks, problem.head_dim, problem.seq_len), layout)
-    chunk = (getattr(layout.cfg, "kl_chunk", None) or kl_chunk)
-    static = ops.FusedStatic(run, mode, layout.cfg, layout.schedule, problem.softmax_scale, problem.seq_len,
+    chunk = getattr(layout.cfg, "kl_chunk", None) or kl_chunk  # GatherConfig has no kl_chunk field
+    static = ops.FusedStatic(_FusedSparse(layout), mode, layout.cfg, layout.schedule, problem.softmax_scale,
+                             problem.seq_len,
                              runtime.interpret_mode(), chunk)
     return ops.fused_rows(indexer_logits, static, operands, padded_seq=layout.padded_seq,
                           padded_width=layout.padded_width)

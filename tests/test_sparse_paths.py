@@ -89,17 +89,10 @@ def problem_for(seq, width, num_blocks_ratio=1, heads=2, head_dim=32):
 
 
 def _abstract_layout(seq, heads, width, head_dim=512):
-    found = {}
-
-    def trace(q, kv, idx):
-        problem = validation.validate(q, kv, topk_indices=idx, target="per_head")
-        found["layout"] = ops_sparse.sparse_layout(problem, None, kl_logits_dtype=jnp.float32)
-        return jnp.zeros(())
-
     s = jax.ShapeDtypeStruct
-    jax.eval_shape(trace, s((1, seq, heads, head_dim), jnp.bfloat16), s((1, seq // 4, head_dim), jnp.bfloat16),
-                   s((1, seq, width), jnp.int32))
-    return found["layout"]
+    return ops_sparse.abstract_layout(s((1, seq, heads, head_dim), jnp.bfloat16),
+                                      s((1, seq // 4, head_dim), jnp.bfloat16), s((1, seq, width), jnp.int32),
+                                      kl_logits_dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("seq, heads, width, path", [
@@ -128,18 +121,10 @@ def test_dispatch_rule_and_forced_paths():
         ops_sparse.sparse_layout(problem_for(256, 16), {"path": "gather", "walk": "plain"})
     # The gather path's resident rows must fit in VMEM: 2M blocks of D = 512 bf16 (2 GiB) do not.
     def big_layout(cfg=None):
-        found = {}
-
-        def trace(q, kv, idx, seg, pos):
-            problem = validation.validate(q, kv, topk_indices=idx, kv_segment_ids=seg, kv_positions=pos,
-                                          target="per_head")
-            found["layout"] = ops_sparse.sparse_layout(problem, cfg)
-            return jnp.zeros(())
-
         s = jax.ShapeDtypeStruct
-        jax.eval_shape(trace, s((1, 8, 2, 512), jnp.bfloat16), s((1, 1 << 21, 512), jnp.bfloat16),
-                       s((1, 8, 64), jnp.int32), s((1, 1 << 23), jnp.int32), s((1, 1 << 23), jnp.int32))
-        return found["layout"]
+        return ops_sparse.abstract_layout(s((1, 8, 2, 512), jnp.bfloat16), s((1, 1 << 21, 512), jnp.bfloat16),
+                                          s((1, 8, 64), jnp.int32), cfg, kv_segment_ids=s((1, 1 << 23), jnp.int32),
+                                          kv_positions=s((1, 1 << 23), jnp.int32))
 
     assert big_layout().path == "visit"
     with pytest.raises(ValueError, match="path 'gather' needs the compressed KV"):

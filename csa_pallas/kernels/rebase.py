@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from csa_pallas.kernels import common
 
 LOG2E = math.log2(math.e)
+MODES = ("per_head", "joint", "full_lse")  # the teachers' denominators (SPEC §3), `head_log2_mass`
 
 
 def compressed_log2_mass(m, l, seen):
@@ -50,6 +51,11 @@ def head_log2_mass(mode: str, c2, lse2=None, shift2=None):
     softplus_tail = jnp.log2(1.0 + jnp.exp2(-jnp.abs(d)))  # softplus(d) - max(d, 0), one exp2 and one log2
     b = jnp.where(d > 0, c2 - lse2, shift2) - softplus_tail
     return jnp.where(empty, -jnp.inf, b)
+
+
+def per_head_shift(c2):
+    """per_head's G = C (a_h = 0 and M = 0 on every row that sees a block): +inf on heads without compressed mass."""
+    return jnp.where(c2 == -jnp.inf, jnp.inf, c2)
 
 
 def running_max(previous, chunk_max):
@@ -82,7 +88,7 @@ def finish(mode: str, layout, c2, *, lse_block=None, shift_row=None, seen_rows=N
     """
     bq = layout.block_q
     if mode == "per_head":
-        g = jnp.where(c2 == -jnp.inf, jnp.inf, c2)
+        g = per_head_shift(c2)
         top = None
         if running is not None:  # M is 0 or -inf per row, the same in every chunk: nothing is rescaled
             top = jnp.broadcast_to(jnp.where(seen_rows, 0.0, -jnp.inf), (bq, common.LANES))

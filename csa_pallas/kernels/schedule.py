@@ -224,7 +224,8 @@ class TeacherWalk:
         """BlockSpec index maps named q ([B, S_p, H, D] blocks [bq, group, D]), kv, kmeta, row / qrow
         (per-query-tile blocks of the resident output tile: qmeta, top-k indices, the output / logits / G; of the
         pass-1 tile), lse (per (head chunk, query tile) statistics of the pass-1 tile), stats / qstats (per-row
-        statistics [B, nq, 8, bq] of the output tile / of the pass-1 tile). Grid (rows * B, H / head_chunk, steps), 2 scalar prefetches."""
+        statistics [B, nq, 8, bq] of the output tile / of the pass-1 tile). Grid (rows * B, H / head_chunk, steps),
+        2 scalar prefetches."""
         def view(p, c, step, firsts_ref, counts_ref):
             return self.decode(p, c, step, firsts_ref, counts_ref)
 

@@ -30,6 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 from csa_pallas.kernels import common, runtime, slot_counts
 
 WORD_BITS = 32
+EMPTY_SLOT = -1.0  # the value of empty slots in a slot-order P (the stand-alone KL kernels read V(t) as P >= 0)
 LANES = common.LANES
 BUILD_ROWS = 128  # queries per step of the bit kernels: one vreg row of lanes (fewer for short sequences)
 
@@ -95,6 +96,27 @@ def slot_bits_pallas(idx, *, limit=None, valid=None, rows: int = BUILD_ROWS, int
         interpret=interpret,
         name="csa_slot_bits",
     )(idx, src)
+
+
+def _dropping_result(fn: Callable) -> Callable:
+    """fn as a `pl.when` body, which must return nothing."""
+    def run():
+        fn()
+    return run
+
+
+def write_slots(out_ref, acc, valid, *, normalize: bool, rowmax_ref=None, top_column=None):
+    """The last step of a sparse teacher without the fused KL: out_ref [bq, K_p] = the head sums acc f32 [bq, K_p]
+    on the valid slots (bool [bq, K_p]), L1-normalised, or (normalize=False) as they are with the rows' M
+    (top_column f32 [bq, 1]) in row 0 of rowmax_ref [8, bq]; EMPTY_SLOT on the other slots."""
+    acc = jnp.where(valid, acc, 0.0)
+    if normalize:
+        acc = acc / jnp.maximum(jnp.sum(acc, axis=1, keepdims=True), common.F32_TINY)
+    else:
+        rows = common.column_to_rows(top_column, 1)  # [1, bq]
+        rowmax_ref[...] = jnp.concatenate([rows, jnp.zeros((common.SUBLANES - 1, rows.shape[1]), jnp.float32)],
+                                          axis=0)
+    out_ref[...] = jnp.where(valid, acc, EMPTY_SLOT)
 
 
 def expand_bits(words_ref, start, width: int):
@@ -185,8 +207,8 @@ def block_bits_pallas(idx, vbits, num_blocks_padded: int, *, rows: int = BUILD_R
 def tile_tables(bits, vbits, *, block_q: int, block_k: int, num_kv_tiles: int):
     """(table, active). table: the per-query-tile scalar-prefetch table int32 [B * nq * (1 + nkw)], nkw =
     ceil(nk / 32): word 0 of a query tile's row is 1 when a row of the tile holds a duplicated index (popcount of
-    its block bits < its valid slots, `vbits`), words 1.. are bit-packed flags, bit kt: some query of the tile selected a block of
-    kv tile kt. active: those flags as bool [B, nq, nk]."""
+    its block bits < its valid slots, `vbits`), words 1.. are bit-packed flags, bit kt: some query of the tile
+    selected a block of kv tile kt. active: those flags as bool [B, nq, nk]."""
     b, s_p, _ = bits.shape
     nq = s_p // block_q
     words_per_tile = block_k // WORD_BITS  # sparse kv tiles are multiples of 128 blocks
@@ -233,7 +255,8 @@ class InKernel:
 
     def __init__(self, sel: SlotSelection, tables_ref, bits_ref, idx_ref, idxq_ref, vbits_ref, vbitsq_ref,
                  weight_ref, idx_t_ref, *, b, qi, tile, nq: int, block_q: int, block_k: int):
-        self.sel, self.tables_ref, self.bits_ref, self.idx_ref, self.idxq_ref = sel, tables_ref, bits_ref, idx_ref, idxq_ref
+        self.sel, self.tables_ref, self.bits_ref = sel, tables_ref, bits_ref
+        self.idx_ref, self.idxq_ref = idx_ref, idxq_ref
         self.vbits_ref, self.vbitsq_ref = vbits_ref, vbitsq_ref
         self.weight_ref, self.idx_t_ref = weight_ref, idx_t_ref
         self.b, self.qi, self.tile, self.nq, self.block_q, self.block_k = b, qi, tile, nq, block_q, block_k
@@ -248,7 +271,8 @@ class InKernel:
         return (lax.shift_right_logical(flags, tile & (WORD_BITS - 1)) & 1) != 0
 
     def when_selected(self, query_tile, tile, body: Callable, otherwise: Optional[Callable] = None):
-        """body() when the tile is selected, otherwise() when not (see the benchmark switches above)."""
+        """body() when the tile is selected, otherwise() when not (see the benchmark switches above); their
+        results, if any, are dropped."""
         if _ESTIMATE_TILES == "none":
             if otherwise is not None:
                 otherwise()
@@ -257,9 +281,9 @@ class InKernel:
             body()
             return
         selected = self.tile_selected(query_tile, tile)
-        pl.when(selected)(body)
+        pl.when(selected)(_dropping_result(body))
         if otherwise is not None:
-            pl.when(jnp.logical_not(selected))(otherwise)
+            pl.when(jnp.logical_not(selected))(_dropping_result(otherwise))
 
     def prepare(self):
         """At the pass-1 tile's first step: a tile with duplicates transposes its indices for the exact counts,
@@ -277,9 +301,13 @@ class InKernel:
         """bool [bq, width]: the blocks of the pass-1 kv tile (its first `width` lanes) each query selected."""
         return expand_bits(self.bits_ref, self.tile * self.block_k, width)
 
-    def valid_slots(self, start, width: int, pass1: bool = False):
-        """bool [bq, width]: slots [start, start + width) in V(t), of the output tile (or the pass-1 tile)."""
-        return expand_bits(self.vbitsq_ref if pass1 else self.vbits_ref, start, width)
+    def valid_slots(self, start, width: int):
+        """bool [bq, width]: the output tile's slots [start, start + width) in V(t)."""
+        return expand_bits(self.vbits_ref, start, width)
+
+    def rows_with_slots(self):
+        """bool [bq, 1]: the pass-1 tile's rows with a valid slot (the rows that see a block)."""
+        return jnp.max((self.vbitsq_ref[...] != 0).astype(jnp.float32), axis=1, keepdims=True) > 0
 
     def exact_weights(self, cond):
         """Under cond, on a selected tile of a query tile with duplicates: weight_ref = log2 of each block's slot

@@ -8,7 +8,7 @@ long context that is the whole causal triangle. Here each query pays K gathered 
     single-row loads do not compile on v5p, u32 ones do, and a bf16 value is the high half of an f32), f32 rows
     as they are. Resident size N_p * D * 2 bytes (bf16): 32 MiB at S = 128K, D = 512;
   * per query, its K_p slot indices (an SMEM block) drive K_p dynamic single-row loads into a staging buffer;
-    invalid slots (-1) load row 0 and are masked;
+    an empty slot loads row index & (R - 1), whatever it holds, and is masked by its slot bit;
   * scores [H, K_p] = q[t] [H, D] x rows^T on the MXU (bf16: two half-D products on the unpacked halves; the heads
     are the M dimension), then the per-head log-sum-exp over the valid slots, the rebased finish (`rebase`) and
     P[t, k] = sum_h 2^(z - G_h), already in slot order: no scatter and no gather back, and a duplicated index is
@@ -35,9 +35,6 @@ from csa_pallas.kernels import common, fused_kl, rebase, runtime, selection
 
 MiB = 1 << 20
 LANES = common.LANES
-EMPTY_SLOT = -1.0
-MODES = ("per_head", "joint", "full_lse")
-GATHER_UNROLL = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,10 +185,9 @@ def _kernel(idx_smem, q_ref, kv_ref, vbits_ref, *refs, mode, scale, width_p, blo
             seen = jnp.max(valid.astype(jnp.float32), axis=1, keepdims=True) > 0  # [1, 1]
             row_max = jnp.maximum(jnp.max(z, axis=1, keepdims=True), common.STAT_FLOOR)
             total = jnp.sum(jnp.exp2(z - row_max), axis=1, keepdims=True)
-            c2 = jnp.where(total == 0, -jnp.inf, row_max + jnp.log2(jnp.where(total == 0, 1.0, total)))  # [H, 1]
-            c2 = jnp.where(seen & (c2 == -jnp.inf), jnp.nan, c2)  # saw a slot but no finite score: poisoned
+            c2 = rebase.compressed_log2_mass(row_max, total, seen)  # [H, 1]; NaN: saw a slot, no finite score
             if mode == "per_head":
-                g = jnp.where(c2 == -jnp.inf, jnp.inf, c2)
+                g = rebase.per_head_shift(c2)
                 top = jnp.where(seen, 0.0, -jnp.inf)
             else:
                 c2_row = common.column_to_rows(c2, 1)  # [1, H]
@@ -210,15 +206,8 @@ def _kernel(idx_smem, q_ref, kv_ref, vbits_ref, *refs, mode, scale, width_p, blo
             fused_kl.kl_epilogue(kl, acc_ref, logits_ref, stats_ref, grad_ref, mask_target=True,
                                  visible_at=visible_at)
             return
-        valid = valid_ref[...] > 0
-        acc = jnp.where(valid, acc_ref[...], 0.0)
-        if normalize:
-            acc = acc / jnp.maximum(jnp.sum(acc, axis=1, keepdims=True), common.F32_TINY)
-        else:
-            tops_row = common.column_to_rows(top_ref[...], 1)  # [1, bq]
-            rowmax_ref[...] = jnp.concatenate([tops_row, jnp.zeros((common.SUBLANES - 1, block_q), jnp.float32)],
-                                              axis=0)
-        out_ref[...] = jnp.where(valid, acc, EMPTY_SLOT)
+        selection.write_slots(out_ref, acc_ref[...], valid_ref[...] > 0, normalize=normalize, rowmax_ref=rowmax_ref,
+                              top_column=None if normalize else top_ref[...])
 
 
 def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherConfig, scale: float,
@@ -238,8 +227,8 @@ def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherC
       as `teacher.teacher_pallas` in sparse mode: P f32 [B, S_p, K_p] in slot order (-1 on empty slots), or
       (head sum, M [B, nq, 8, bq]) with normalize=False, or the fused KL's statistics (and G).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if mode not in rebase.MODES:
+        raise ValueError(f"mode: expected one of {rebase.MODES}, got {mode!r}")
     b, s_p, h, d = q.shape
     k_p = idx.shape[2]
     chunks = k_p // LANES

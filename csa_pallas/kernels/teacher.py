@@ -35,8 +35,8 @@ from jax.experimental.pallas import tpu as pltpu
 from csa_pallas.kernels import common, fused_kl, rebase, runtime, selection, slot_counts
 from csa_pallas.kernels import schedule as schedule_lib
 
-MODES = ("per_head", "joint", "full_lse")
-EMPTY_SLOT = -1.0  # sparse mode: the value of empty slots in P (the stand-alone KL kernels read V(t) as P >= 0)
+MODES = rebase.MODES
+EMPTY_SLOT = selection.EMPTY_SLOT  # sparse mode: the value of empty slots in P
 MiB = 1 << 20
 # Scores are kept in base 2 inside the kernel (z * log2 e, exp2): exp(x) lowers to exp2(x * log2 e) anyway.
 LOG2E = math.log2(math.e)
@@ -386,8 +386,8 @@ def _kernel(*refs, mode, walk: schedule_lib.TeacherWalk, nh, layout, group, scal
 
     def row_seen():
         """bool [bq, 1]: the pass-1 tile's rows that see some block."""
-        if sel is not None:  # a row with a valid slot
-            return jnp.max((vbitsq_ref[...] != 0).astype(jnp.float32), axis=1, keepdims=True) > 0
+        if sel is not None:
+            return picks.rows_with_slots()
         if schedule.causal:  # block 0 is complete at t = m - 1
             t = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
             return (t >= schedule.ratio - 1) & (schedule.num_blocks > 0)
@@ -575,7 +575,7 @@ def _kernel(*refs, mode, walk: schedule_lib.TeacherWalk, nh, layout, group, scal
     def pass2(first, masked, width):
         if sel is not None:
             picks.when_selected(qi, tile, functools.partial(pass2_work, first, masked, width),
-                                otherwise=(lambda: None if finish_f() is None else None) if first else None)
+                                otherwise=finish_f if first else None)
             return
         pass2_work(first, masked, width)
 
@@ -610,14 +610,8 @@ def _kernel(*refs, mode, walk: schedule_lib.TeacherWalk, nh, layout, group, scal
     elif sel is not None:
         @pl.when((c == nh - 1) & (step == at.last_step))
         def _():
-            valid = picks.valid_slots(0, sel.width_p)
-            acc = jnp.where(valid, out_ref[...], 0.0)
-            if normalize:
-                acc = acc / jnp.maximum(jnp.sum(acc, axis=1, keepdims=True), common.F32_TINY)
-            else:
-                rows = common.column_to_rows(top_ref[:, :1], 1)  # [1, bq]
-                rowmax_ref[...] = jnp.concatenate([rows, jnp.zeros((common.SUBLANES - 1, bq), jnp.float32)], axis=0)
-            out_ref[...] = jnp.where(valid, acc, EMPTY_SLOT)
+            selection.write_slots(out_ref, out_ref[...], picks.valid_slots(0, sel.width_p), normalize=normalize,
+                                  rowmax_ref=rowmax_ref, top_column=None if normalize else top_ref[:, :1])
     elif normalize:
         @pl.when((c == nh - 1) & (step == at.last_step))
         def _():
@@ -676,8 +670,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         (qmeta/kmeta are not read) and P is in slot order.
 
     Returns:
-      P, f32 [B, S_p, N_p] (sparse: [B, S_p, K_p], EMPTY_SLOT on empty slots), rows L1-normalised (0 outside V(t) and on empty rows, NaN on rows that read a
-      non-finite input). normalize=False: (head sum f32 [B, S_p, N_p], M f32 [B, nq, 8, bq] in row 0, base 2).
+      P, f32 [B, S_p, N_p] (sparse: [B, S_p, K_p], EMPTY_SLOT on empty slots), rows L1-normalised (0 outside
+      V(t) and on empty rows, NaN on rows that read a non-finite input). normalize=False: (head sum f32 [B, S_p, N_p], M f32 [B, nq, 8, bq] in row 0, base 2).
       With `kl`: the KL statistics f32 [B, nq, 8, bq] (row 0 KL, row 1 student lse, row 2 sum P, row 3
       non-empty; 0 on empty and padding rows) and, with kl.emit_gradient, G = softmax_V(I) * sum P - P in the
       logits' dtype [B, S_p, N_p] (0 outside V).
