@@ -7,11 +7,16 @@ Public API (SPEC.md is the math contract):
   sharded_indexer_distill_loss(mesh, indexer_logits, q, ..., batch_axes=, head_axis=, seq_axis=)
   sharded_teacher_distribution(mesh, q, compressed_kv, ...)     -> the same under shard_map (csa_pallas.sharding)
   check_window_layout(segment_ids, positions)                   -> opt-in checkify check of the window kernel's layout
+  activation_sharding(batch=, heads=, seq=)                     -> context: how activations are sharded on an Auto
+                                                                   mesh (csa_pallas.placement)
+
+The plain ops run sharded by themselves when their inputs live on a multi-device mesh (`csa_pallas.placement`).
 """
 
 from csa_pallas.api import check_window_layout, indexer_distill_loss, noncompressed_lse, teacher_distribution
+from csa_pallas.placement import activation_sharding
 from csa_pallas.sharding import sharded_indexer_distill_loss, sharded_teacher_distribution
 
 __all__ = ["indexer_distill_loss", "teacher_distribution", "noncompressed_lse", "sharded_indexer_distill_loss",
-           "sharded_teacher_distribution", "check_window_layout"]
+           "sharded_teacher_distribution", "check_window_layout", "activation_sharding"]
 __version__ = "0.1.0"

@@ -52,6 +52,26 @@ def check_window_layout(segment_ids, positions):
                    "with strictly increasing positions; pass noncompressed_lse or implementation='xla' otherwise")
 
 
+def _placed(problem: Problem, config, run_sharded):
+    """The op's result through `sharding.py` when its inputs live on a multi-device mesh (`placement.resolve`),
+    else None. run_sharded(mesh, axes_kwargs) makes the sharded call."""
+    from csa_pallas import placement
+    where = placement.resolve(problem.q)
+    if where is None:
+        return None
+    if config is not None:
+        raise ValueError(f"config: kernel variants are not forwarded to the sharded path ({where.describe()}); drop "
+                         f"config or call the op on unsharded inputs")
+    axes = dict(batch_axes=where.batch_axes, head_axis=where.head_axis, seq_axis=where.seq_axis)
+    try:
+        return run_sharded(where.mesh, axes)
+    except ValueError as e:
+        if str(e).split(":", 1)[0] not in ("batch_axes", "head_axis", "seq_axis", "head_chunk"):
+            raise  # not about the derived mesh axes: the caller's own argument
+        raise ValueError(f"{e} [the op derived this layout: {where.describe()}; reshard the inputs or call "
+                         f"{placement.ENTRY_POINT}]") from e
+
+
 def choose_implementation(problem: Problem) -> str:
     if problem.implementation == "xla":
         return "xla"
@@ -140,7 +160,21 @@ def indexer_distill_loss(
     if empty is not None:
         return empty
     if implementation == "xla":
-        return reference.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale)
+        from csa_pallas import placement
+        run = lambda pr, logits: reference.indexer_distill_loss(logits, pr, reduction=reduction, scale=scale)
+        return placement.on_auto_axes(run, problem, indexer_logits, row_dims=2 if reduction == "none" else 0)
+    arguments = locals()
+
+    def run_sharded(mesh, axes):
+        from csa_pallas import sharding
+        return sharding.sharded_indexer_distill_loss(
+            mesh, indexer_logits, q, compressed_kv, **axes, reduction=reduction, scale=scale,
+            **{name: arguments[name] for name in _TEACHER_ARGS})
+    placed = _placed(problem, config, run_sharded)
+    if placed is not None:
+        return placed
+    from csa_pallas import placement
+    placement.check_kernels_can_run_here(problem)
     if problem.sparse:
         from csa_pallas import ops_sparse
         return ops_sparse.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale,
@@ -182,7 +216,19 @@ def teacher_distribution(
     if not (problem.batch and problem.seq_len and problem.num_blocks):
         return jnp.zeros((problem.batch, problem.seq_len, problem.width), jnp.float32)
     if implementation == "xla":
-        return reference.teacher(problem)[0]
+        from csa_pallas import placement
+        return placement.on_auto_axes(lambda pr: reference.teacher(pr)[0], problem, row_dims=3)
+    arguments = locals()
+
+    def run_sharded(mesh, axes):
+        from csa_pallas import sharding
+        return sharding.sharded_teacher_distribution(mesh, q, compressed_kv, **axes,
+                                                     **{name: arguments[name] for name in _TEACHER_ARGS})
+    placed = _placed(problem, config, run_sharded)
+    if placed is not None:
+        return placed
+    from csa_pallas import placement
+    placement.check_kernels_can_run_here(problem)
     if problem.sparse:
         from csa_pallas import ops_sparse
         return ops_sparse.teacher_distribution(problem, config)
@@ -216,6 +262,18 @@ def noncompressed_lse(
     if not (problem.batch and problem.seq_len):
         return jnp.zeros((problem.batch, problem.seq_len, problem.num_heads), jnp.float32)
     if implementation == "xla":
-        return reference.noncompressed_lse(problem)
-    from csa_pallas import ops
+        from csa_pallas import placement
+        return placement.on_auto_axes(reference.noncompressed_lse, problem, row_dims=3)
+
+    def run_sharded(mesh, axes):
+        from csa_pallas import sharding
+        return sharding.sharded_noncompressed_lse(
+            mesh, q, window_kv, **axes, sinks=sinks, segment_ids=segment_ids, positions=positions,
+            kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, window_size=window_size,
+            softmax_scale=softmax_scale, head_chunk=head_chunk)
+    placed = _placed(problem, None, run_sharded)
+    if placed is not None:
+        return placed
+    from csa_pallas import ops, placement
+    placement.check_kernels_can_run_here(problem)
     return ops.noncompressed_lse(problem)

@@ -31,9 +31,10 @@ from typing import Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from csa_pallas import api
+from csa_pallas import placement
 from csa_pallas import reference
 from csa_pallas import validation
 from csa_pallas.kernels import teacher as teacher_kernel
@@ -87,8 +88,9 @@ def _axis_size(mesh: Mesh, name: Optional[str]) -> int:
 
 def _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem: Problem) -> MeshAxes:
     """Checks the mesh and axis arguments against the problem; raises ValueError/TypeError naming the argument."""
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh (or the AbstractMesh of a traced input), got "
+                        f"{type(mesh).__name__}")
     if batch_axes is None:
         batch_axes = ()
     elif isinstance(batch_axes, str):
@@ -151,18 +153,25 @@ def _global_ids(problem: Problem, axes: MeshAxes):
                 kv_segment_ids=problem.kv_segment_ids, kv_positions=problem.kv_positions)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _cotangent_sharded_like(x, sharding: NamedSharding):
-    """Identity whose cotangent is constrained to `sharding` (the logits' layout, not the kernels' internal one)."""
+def _constrain(x, mesh, spec):
+    """x laid out as `spec` on `mesh`: a reshard on Explicit axes (the type changes), a constraint on Auto ones."""
+    if AxisType.Explicit in set(mesh.axis_types):
+        return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _cotangent_sharded_like(x, mesh, spec):
+    """Identity whose cotangent is laid out as `spec` (the logits' layout, not the kernels' internal one)."""
     return x
 
 
-def _cotangent_sharded_like_fwd(x, sharding):
+def _cotangent_sharded_like_fwd(x, mesh, spec):
     return x, None
 
 
-def _cotangent_sharded_like_bwd(sharding, _, cotangent):
-    return (jax.lax.with_sharding_constraint(cotangent, sharding),)
+def _cotangent_sharded_like_bwd(mesh, spec, _, cotangent):
+    return (_constrain(cotangent, mesh, spec),)
 
 
 _cotangent_sharded_like.defvjp(_cotangent_sharded_like_fwd, _cotangent_sharded_like_bwd)
@@ -301,6 +310,7 @@ def _shard_inputs(problem: Problem, axes: MeshAxes, indexer_logits=None):
 
 
 def _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, arguments: dict):
+    placement.check_outside_shard_map(q)
     problem = api._problem(q, compressed_kv, arguments)
     axes = _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem)
     return problem, axes
@@ -362,8 +372,9 @@ def sharded_indexer_distill_loss(
         return api.indexer_distill_loss(indexer_logits, q, compressed_kv, **_public_kwargs(arguments),
                                         reduction=reduction, scale=scale)
     num_seq_shards, num_head_shards = _axis_size(mesh, seq_axis), _axis_size(mesh, head_axis)
-    indexer_logits = _cotangent_sharded_like(indexer_logits, NamedSharding(mesh, axes.row_vectors_spec()))
+    indexer_logits = _cotangent_sharded_like(indexer_logits, mesh, axes.row_vectors_spec())
     arrays, specs = _shard_inputs(problem, axes, indexer_logits)
+    arrays = placement.reshard_for_shard_map(arrays, specs, mesh)
 
     def per_shard(local):
         if axes.heads is None:  # every row's head sum is local: the fused teacher + KL kernel
@@ -415,6 +426,7 @@ def sharded_teacher_distribution(
         return api.teacher_distribution(q, compressed_kv, **_public_kwargs(arguments))
     num_seq_shards, num_head_shards = _axis_size(mesh, seq_axis), _axis_size(mesh, head_axis)
     arrays, specs = _shard_inputs(problem, axes)
+    arrays = placement.reshard_for_shard_map(arrays, specs, mesh)
 
     def per_shard(local):
         target, _, _, rows_problem = _local_target(local, problem, axes, num_seq_shards, num_head_shards)
@@ -425,3 +437,31 @@ def sharded_teacher_distribution(
 
 def _public_kwargs(arguments: dict) -> dict:
     return {name: arguments[name] for name in api._TEACHER_ARGS}
+
+
+def sharded_noncompressed_lse(mesh, q, window_kv, *, batch_axes: AxisNames = None, head_axis: Optional[str] = None,
+                              seq_axis: Optional[str] = None, sinks=None, segment_ids=None, positions=None,
+                              kv_segment_ids=None, kv_positions=None, window_size: int = 128,
+                              softmax_scale: Optional[float] = None, head_chunk: Optional[int] = None) -> jax.Array:
+    """`csa_pallas.noncompressed_lse` (the window-LSE kernel, f32 [B, S, H]) sharded like the loss: batch, heads,
+    and the query sequence with the W - 1 key halo from the previous shard. Pallas path only."""
+    placement.check_outside_shard_map(q)
+    problem = validation.validate_window_args(
+        q, window_kv, sinks=sinks, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
+        kv_positions=kv_positions, window_size=window_size, softmax_scale=softmax_scale, head_chunk=head_chunk,
+        implementation="pallas")
+    axes = _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem)
+    num_seq_shards = _axis_size(mesh, seq_axis)
+    arrays = {"q": problem.q, "window_kv": problem.window_kv}
+    specs = {"q": axes.q_spec(), "window_kv": axes.row_vectors_spec()}
+    if problem.sinks is not None:
+        arrays["sinks"], specs["sinks"] = problem.sinks, P(axes.heads)
+    ids = _global_ids(problem, axes)
+    if ids is not None:
+        arrays["ids"] = dict(segment_ids=problem.segment_ids, positions=problem.positions,
+                             kv_local_segment_ids=problem.kv_segment_ids, kv_local_positions=problem.kv_positions)
+        specs["ids"] = {name: axes.rows_spec() for name in arrays["ids"]}
+    arrays = placement.reshard_for_shard_map(arrays, specs, mesh)
+    run = lambda local: _local_window_lse(local, problem, axes, num_seq_shards)
+    return jax.shard_map(run, mesh=mesh, in_specs=(specs,), out_specs=axes.head_stats_spec(),
+                         check_vma=False)(arrays)

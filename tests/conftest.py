@@ -2,12 +2,11 @@
 import os
 import sys
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# 8 host devices for the shard_map tests (tests/test_sharding.py); must be set before jax initialises its backend.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(__file__))
+# The chips on a TPU host, else 8 CPU host devices (tests/platform_select.py); before jax initialises its backend.
+import platform_select  # noqa: E402
+
+PLATFORM = platform_select.configure()
 
 from hypothesis import settings  # noqa: E402
 

@@ -1,0 +1,241 @@
+"""Where the plain ops run when their inputs live on a device mesh: the sharding that `sharding.py` serves.
+
+Mosaic kernels cannot be partitioned by XLA (on a TPU, a kernel whose operands XLA sharded fails to compile with
+"Mosaic kernels cannot be automatically partitioned"), and JAX's automatic route for custom partitioning,
+`custom_partitioning`, is not wired through on TPU (jax-ml/jax#38196). So `indexer_distill_loss` and
+`teacher_distribution` decide, while tracing, how the activations are sharded and enter `sharding.py`'s shard_map
+themselves. The layout is read from, in order:
+
+  1. the queries' sharding when it is known while tracing: `AxisType.Explicit` mesh axes (`jax.set_mesh`, the
+     sharding is part of the type) or a concrete, committed `jax.Array` (eager calls);
+  2. a declared layout: `csa_pallas.activation_sharding(batch=..., heads=..., seq=...)`, or Flax logical axis rules
+     (MaxText's `nn_partitioning.axis_rules(config.logical_axis_rules)`): the mesh axes of the logical names
+     "activation_batch", "activation_heads" and "activation_length";
+  3. otherwise, on a mesh of more than one device with `AxisType.Auto` axes (XLA decides the sharding after
+     tracing), a ValueError that says what to declare.
+
+q [B, S, H, D] decides: B over the batch axes, S over the sequence axis, H over the head axis, D never sharded.
+The other inputs are resharded to match (the key side is replicated over the sequence axis, see `sharding.py`).
+Inside a user's `jax.shard_map` (every mesh axis Manual) the op runs per device on what it is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import sys
+from typing import Optional, Sequence, Union
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+AxisNames = Union[None, str, Sequence[str]]
+
+# Flax logical axis names (MaxText's activation names) -> the dimension of q they shard.
+FLAX_LOGICAL_AXES = dict(batch="activation_batch", heads="activation_heads", seq="activation_length")
+
+ENTRY_POINT = "csa_pallas.sharded_indexer_distill_loss(mesh, ..., batch_axes=, head_axis=, seq_axis=)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The mesh and the axes that shard q's batch, sequence and heads (names of `mesh`; batch may be several)."""
+
+    mesh: object  # jax.sharding.Mesh or AbstractMesh
+    batch_axes: tuple
+    head_axis: Optional[str]
+    seq_axis: Optional[str]
+    source: str  # where the layout came from, for error messages
+
+    def describe(self) -> str:
+        spec = P(self.batch_axes or None, self.seq_axis, self.head_axis, None)
+        return f"q sharded {spec} on the mesh {dict(self.mesh.shape)} ({self.source})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Declared:
+    batch: tuple
+    heads: Optional[str]
+    seq: Optional[str]
+
+
+_DECLARED = contextvars.ContextVar("csa_pallas_activation_sharding", default=None)
+
+
+def _names(arg: str, value: AxisNames) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(f"{arg}: expected None, a mesh axis name or a sequence of names, got {value!r}")
+
+
+def _one_name(arg: str, value: AxisNames) -> Optional[str]:
+    names = _names(arg, value)
+    if len(names) > 1:
+        raise ValueError(f"{arg}: one mesh axis at most (the kernels split this dimension over one axis), got "
+                         f"{names}; reshape the mesh or shard it over one axis")
+    return names[0] if names else None
+
+
+@contextlib.contextmanager
+def activation_sharding(batch: AxisNames = None, heads: Optional[str] = None, seq: Optional[str] = None):
+    """Declares how the activations are sharded for the ops traced inside, when the mesh's axes are
+    `AxisType.Auto` (XLA picks shardings after tracing, so the op cannot read them). batch: mesh axis name(s)
+    sharding B; heads: the axis sharding the H attention heads; seq: the axis sharding the query sequence.
+    `activation_sharding()` (all None) declares the inputs replicated: every device computes the whole op."""
+    token = _DECLARED.set(_Declared(_names("batch", batch), _one_name("heads", heads), _one_name("seq", seq)))
+    try:
+        yield
+    finally:
+        _DECLARED.reset(token)
+
+
+def _mesh_of(x):
+    """The mesh an input lives on (its type's mesh while tracing, its committed sharding's mesh eagerly)."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.core.Tracer) else None
+    else:
+        sharding = x.sharding if getattr(x, "committed", True) else None
+    if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+        return sharding.mesh, sharding
+    return None, None
+
+
+def _flax_rules_layout(mesh) -> Optional[_Declared]:
+    if "flax" not in sys.modules:  # no rules can be active without flax
+        return None
+    from flax.linen import spmd
+    rules = dict(spmd.get_logical_axis_rules() or ())
+    if not any(name in rules for name in FLAX_LOGICAL_AXES.values()):
+        return None
+
+    def axes(dim: str) -> tuple:
+        value = rules.get(FLAX_LOGICAL_AXES[dim])
+        names = _names(f"Flax logical axis rule {FLAX_LOGICAL_AXES[dim]!r}", value)
+        return tuple(n for n in names if n in mesh.shape and mesh.shape[n] > 1)  # rules list axes of any mesh
+
+    batch, heads, seq = axes("batch"), axes("heads"), axes("seq")
+    seq = tuple(n for n in seq if n not in batch + heads)
+    return _Declared(batch, _one_name(f"Flax logical axis rule {FLAX_LOGICAL_AXES['heads']!r}", heads),
+                     _one_name(f"Flax logical axis rule {FLAX_LOGICAL_AXES['seq']!r}", seq))
+
+
+def _from_spec(spec, mesh, source: str) -> Placement:
+    entries = tuple(spec) + (None,) * (4 - len(tuple(spec)))
+    where = f"q is sharded {P(*entries)} on the mesh {dict(mesh.shape)} ({source})"
+    if entries[3] is not None:
+        raise ValueError(f"q: {where}; the head dimension D cannot be sharded (each score reads all of D); "
+                         f"reshard q with D replicated, or use {ENTRY_POINT}")
+    try:
+        seq, heads = _one_name("seq", entries[1]), _one_name("heads", entries[2])
+    except ValueError as e:
+        raise ValueError(f"q: {where}; the sequence and head dimensions can each be split over one mesh axis "
+                         f"only; use {ENTRY_POINT}") from e
+    return Placement(mesh, _names("batch", entries[0]), heads, seq, source)
+
+
+def resolve(q) -> Optional[Placement]:
+    """The sharding to run the op with for queries `q`, or None when the plain (single-device) op is right."""
+    mesh, sharding = _mesh_of(q)
+    if mesh is None:
+        abstract = jax.sharding.get_abstract_mesh()
+        mesh = None if abstract.empty else abstract
+    if mesh is None or mesh.size == 1:
+        return None
+    types = set(mesh.axis_types)
+    if types == {AxisType.Manual}:  # inside a user's shard_map: the op sees per-device arrays
+        return None
+    if AxisType.Manual in types:
+        raise ValueError(f"q: the op is traced inside a jax.shard_map that leaves mesh axes "
+                         f"{[n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual]} automatic; "
+                         f"make the shard_map manual over every axis (the op then runs per device) or call the op "
+                         f"outside it")
+    if AxisType.Explicit in types:
+        if AxisType.Auto in types:
+            raise ValueError(f"q: the mesh {dict(mesh.shape)} mixes Explicit and Auto axes; csa_pallas reads the "
+                             f"sharding from Explicit axes only, so make them all Explicit or all Auto")
+        return _from_spec(jax.typeof(q).sharding.spec, mesh, "its Explicit sharding")
+    if sharding is not None and not isinstance(q, jax.core.Tracer):
+        return _from_spec(sharding.spec, mesh, "the array's sharding")
+    declared = _DECLARED.get()
+    source = "csa_pallas.activation_sharding"
+    if declared is None:
+        declared, source = _flax_rules_layout(mesh), "Flax logical axis rules"
+    if declared is None:
+        raise ValueError(
+            f"q: the inputs live on a mesh of {mesh.size} devices {dict(mesh.shape)} with Auto axes, whose "
+            f"shardings XLA decides after tracing, and the Pallas kernels cannot be partitioned by XLA. Declare how "
+            f"the activations are sharded: `with csa_pallas.activation_sharding(batch=..., heads=..., seq=...):` "
+            f"around the call (or Flax logical axis rules for {tuple(FLAX_LOGICAL_AXES.values())}, as MaxText sets), "
+            f"use a mesh with AxisType.Explicit axes, or call {ENTRY_POINT}")
+    for arg, names in (("batch", declared.batch), ("heads", declared.heads and (declared.heads,)),
+                       ("seq", declared.seq and (declared.seq,))):
+        for name in names or ():
+            if name not in mesh.shape:
+                raise ValueError(f"{source}: {arg} names mesh axis {name!r}, but the mesh's axes are "
+                                 f"{tuple(mesh.shape)}")
+    return Placement(mesh, declared.batch, declared.heads, declared.seq, source)
+
+
+def reshard_for_shard_map(tree, specs, mesh):
+    """Explicit-axis meshes: shard_map requires each input's type to carry its in_spec; reshard to it (a no-op
+    where the input already has it). Auto meshes: returned unchanged (XLA reshards at the boundary)."""
+    if AxisType.Explicit not in set(mesh.axis_types):
+        return tree
+    return jax.tree.map(lambda x, spec: jax.sharding.reshard(x, spec), tree, specs,
+                        is_leaf=lambda x: x is None)
+
+
+def explicit_mesh(x):
+    """The mesh of a traced input whose mesh has Explicit axes, else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(sharding, NamedSharding) and AxisType.Explicit in set(sharding.mesh.axis_types):
+        return sharding.mesh
+    return None
+
+
+def on_auto_axes(fn, problem, *args, row_dims: int):
+    """fn(problem, *args) (the XLA reference) with the Explicit mesh axes of q's type turned Auto inside: JAX has
+    no Explicit sharding rule for some of the reference's gathers, XLA partitions it freely. The result is laid
+    out like q's rows: [B, S, ...] with row_dims dimensions (0: a replicated scalar). Non-Explicit inputs: fn as is.
+    """
+    mesh = explicit_mesh(problem.q)
+    if mesh is None:
+        return fn(problem, *args)
+    fields = {f.name: getattr(problem, f.name) for f in dataclasses.fields(problem)
+              if isinstance(getattr(problem, f.name), jax.Array)}
+    batch, seq = (tuple(jax.typeof(problem.q).sharding.spec) + (None, None))[:2]
+    out = P() if row_dims == 0 else P(batch, seq, *([None] * (row_dims - 2)))
+    inner = lambda arrays, rest: fn(dataclasses.replace(problem, **arrays), *rest)
+    return jax.sharding.auto_axes(inner, out_sharding=NamedSharding(mesh, out))(fields, args)
+
+
+def check_kernels_can_run_here(problem) -> None:
+    """Raises when the Pallas path is traced inside a user's `jax.shard_map(..., check_vma=True)`: the inputs
+    carry varying-manual-axes types the kernels' outputs cannot declare in this JAX version."""
+    arrays = [getattr(problem, f.name) for f in dataclasses.fields(problem)]
+    varying = set()
+    for x in arrays:
+        if isinstance(x, jax.core.Tracer):  # jax 0.10 keeps the varying axes in the aval's `mat`
+            varying |= set(getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ())
+    if varying:
+        raise ValueError(
+            f"q: the op is traced inside a jax.shard_map with check_vma=True (the inputs vary over the manual axes "
+            f"{sorted(varying)}), and its Pallas kernels' outputs cannot carry varying-manual-axes types; pass "
+            f"check_vma=False to that shard_map (the op then runs per device on its shard), or call the op outside "
+            f"the shard_map: on a mesh it partitions itself (csa_pallas.placement), and "
+            f"{ENTRY_POINT} takes the mesh axes explicitly")
+
+
+def check_outside_shard_map(q) -> None:
+    """The sharded entry points run their own shard_map over the whole mesh: raise when q is already manual."""
+    mesh = getattr(getattr(jax.typeof(q), "sharding", None), "mesh", None)
+    manual = [] if mesh is None else [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual]
+    if manual:
+        raise ValueError(f"mesh: the sharded op is called inside a jax.shard_map that is manual over {manual}; it "
+                         f"runs its own shard_map over the mesh, so call it outside, or call "
+                         f"csa_pallas.indexer_distill_loss inside (it then runs per device on the shard it is given)")

@@ -1,0 +1,59 @@
+"""Which devices the suite runs on, decided before jax initialises (imported by conftest.py).
+
+  * A TPU host (libtpu's chip device files exist: /dev/accel* on v4/v5e, /dev/vfio/<n> on v5p/v6e): the suite runs
+    on the chips, so every kernel test without an interpreter pin compiles Mosaic and runs it on the TPU, and the
+    sharded tests use the slice's chips (4 on a v5p-8: their meshes shrink to fit, `fit_mesh_axes`).
+  * Any other host: the CPU with 8 host devices (`--xla_force_host_platform_device_count=8`) and the Pallas
+    interpreter.
+  * CSA_PALLAS_TEST_PLATFORM=cpu|tpu overrides the detection; an explicit JAX_PLATFORMS is left alone.
+"""
+
+import glob
+import math
+import os
+
+HOST_DEVICES = 8
+_CHIP_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
+
+
+def tpu_chips_present() -> bool:
+    return any(glob.glob(pattern) for pattern in _CHIP_FILES)
+
+
+def chosen_platform(environ=os.environ, chips_present=None) -> str:
+    """"tpu" or "cpu": the override, else JAX_PLATFORMS, else what the host has."""
+    forced = environ.get("CSA_PALLAS_TEST_PLATFORM")
+    if forced:
+        if forced not in ("cpu", "tpu"):
+            raise ValueError(f"CSA_PALLAS_TEST_PLATFORM: expected 'cpu' or 'tpu', got {forced!r}")
+        return forced
+    if environ.get("JAX_PLATFORMS"):
+        return "tpu" if "tpu" in environ["JAX_PLATFORMS"].split(",")[0] else "cpu"
+    present = tpu_chips_present() if chips_present is None else chips_present
+    return "tpu" if present else "cpu"
+
+
+def configure(environ=os.environ, chips_present=None) -> str:
+    """Sets JAX_PLATFORMS (and the CPU host device count) in `environ`; returns the platform."""
+    platform = chosen_platform(environ, chips_present)
+    environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not environ.get("JAX_PLATFORMS"):
+        environ["JAX_PLATFORMS"] = platform
+    if platform == "cpu" and "xla_force_host_platform_device_count" not in environ.get("XLA_FLAGS", ""):
+        environ["XLA_FLAGS"] = (environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count="
+                                f"{HOST_DEVICES}").strip()
+    return platform
+
+
+def fit_mesh_axes(axes: dict, available: int) -> dict:
+    """A mesh shape that fits `available` devices: the largest axis (the last of equals) halves until the product
+    fits, so a v5p-8's 4 chips run an 8-device case as e.g. {"data": 2, "heads": 2}; an axis may reach size 1 and
+    keeps its name (the op then treats it as unsharded). Sizes are powers of two."""
+    sizes = dict(axes)
+    if available < 1:
+        raise ValueError(f"available: expected >= 1 device, got {available}")
+    while math.prod(sizes.values()) > available:
+        largest = max(sizes.values())
+        name = [n for n, v in sizes.items() if v == largest][-1]
+        sizes[name] = largest // 2
+    return sizes
