@@ -5,6 +5,9 @@
   * "pallas" - the Pallas TPU kernels (`csa_pallas.ops`); interpret mode on a non-TPU backend. A configuration the
                kernels do not cover raises NotImplementedError naming what is missing.
   * None     - "pallas" when the kernels cover the configuration, else "xla" (see `choose_implementation`).
+
+On the Pallas path, inputs on a multi-device mesh make the op partition itself (`csa_pallas.placement` finds the
+layout, `csa_pallas.sharding` runs the kernels under shard_map); one device or none: the kernels directly.
 """
 
 from __future__ import annotations

@@ -90,11 +90,11 @@ def test_flax_logical_axis_rules_give_the_layout_and_eager_arrays_give_their_own
              ("activation_length", ("context",)), ("embed", None)]
     with nn.logical_axis_rules(rules):
         assert_close(plain_results(x, q, kv, teacher_placed), want)
-    # Outside jit the committed arrays carry their sharding: no declaration needed.
-    loss = lambda y: csa_pallas.indexer_distill_loss(y, q, kv, **teacher_placed)
-    value, grad = jax.value_and_grad(loss)(x)
-    np.testing.assert_allclose(float(value), float(want[0]), rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(grad), np.asarray(want[1]), atol=1e-5 * float(jnp.max(jnp.abs(want[1]))))
+    # Outside jit the committed arrays carry their sharding: no declaration needed (the teacher alone: eager
+    # dispatch of the whole loss and gradient is slow in the interpreter).
+    target = csa_pallas.teacher_distribution(q, kv, **teacher_placed)
+    np.testing.assert_allclose(np.asarray(target), np.asarray(want[2]), atol=1e-6, rtol=0)
+    assert target.sharding.spec[:2] == P(layout[0], (layout[1], layout[2]))[:2]  # rows split over (seq, heads)
 
 
 def test_flax_wrapper_without_mesh_follows_the_inputs():
