@@ -1,29 +1,51 @@
-"""The README's main job: a small DeepSeek-V4-shaped loss + gradient through the Pallas kernels, checked against the
-pure-JAX reference, then a v5p memory table compiled ahead of time on this host.
+"""The README's main job: what csa_pallas is for, in about three minutes on a 2-core CPU with no TPU.
 
-    python -m benchmarks.demo            # ~1-2 minutes on a 2-core CPU
+    python -m benchmarks.demo              # correctness, then v5p HBM vs the XLA baseline across S, estimates
+    python -m benchmarks.demo --quick      # S = 4096 only (~1 minute)
 
-Every number printed says how it was obtained: CPU interpret-mode wall clock (not a TPU timing), or HBM bytes from
-the v5p compiler's memory_analysis() (exact for the compiled program, no TPU needed).
+1. Correctness: the loss and its gradient through the Pallas kernels (interpret mode on this CPU) against the pure-JAX
+   reference, at MaxText's deepseek4-tiny widths, dense (both targets) and sparse top-k.
+2. Memory: the forward+backward at the DeepSeek-V4-Flash shape (B=1, H=64, D=512, m=4, W=128, bf16 q/kv, f32
+   logits) compiled for one TPU v5p chip on this host by the real XLA:TPU / Mosaic compilers; temp HBM from
+   `compiled.memory_analysis()` (exact for the compiled program) for csa_pallas and for the MaxText-style XLA
+   baseline at each of its head chunks (`benchmarks/xla_baseline.py`), S from 4K to 128K (256K with --seq).
+3. Speed: static v5p estimates on record (`benchmarks/recorded/*.json`, from `../shared/tools/tpu_estimate.py`):
+   estimates of the compiled bundles, not TPU timings; the commands that reproduce them are in the README.
+
+Outputs under --out (default results/demo/): memory.csv / memory.json (every compiled row), memory.png (temp HBM
+against S, log-log).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
+import os
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import csa_pallas
-from csa_pallas import aot
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import csa_pallas  # noqa: E402
+from csa_pallas import aot  # noqa: E402
 
 MiB = 1 << 20
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORDED = os.path.join(REPO, "benchmarks", "recorded")
+FLASH = dict(batch=1, heads=64, head_dim=512, ratio=4, window=128)
+SEQS = (4096, 8192, 16384, 32768, 65536, 131072)
+BASELINE_CHUNKS = (1, 8, 64)
+V5P_HBM_MIB = 95 * 1024
 
 
-def tiny_inputs(seed=0, batch=2, seq=256, heads=4, head_dim=32, ratio=4):
-    """deepseek4-tiny widths (H=4, D=32, m=4), two packed documents per row."""
+# ------------------------------------------------------------------------------------------------ 1. correctness
+
+def tiny_inputs(seed=0, batch=2, seq=256, heads=4, head_dim=32, ratio=4, topk=16):
+    """deepseek4-tiny widths (H=4, D=32, m=4), two packed documents per row, K=16 random slots (-1 = empty)."""
     rng = np.random.default_rng(seed)
     n = seq // ratio
     seg = np.zeros((batch, seq), np.int32)
@@ -32,95 +54,194 @@ def tiny_inputs(seed=0, batch=2, seq=256, heads=4, head_dim=32, ratio=4):
     seg[:, cut:] = 1
     pos[:, cut:] -= cut
     return dict(
-        logits=jnp.asarray(rng.standard_normal((batch, seq, n)), jnp.float32),
+        dense_logits=jnp.asarray(rng.standard_normal((batch, seq, n)), jnp.float32),
+        sparse_logits=jnp.asarray(rng.standard_normal((batch, seq, topk)), jnp.float32),
+        topk_indices=jnp.asarray(rng.integers(-1, n, size=(batch, seq, topk)), jnp.int32),
         q=jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), jnp.bfloat16),
         compressed_kv=jnp.asarray(rng.standard_normal((batch, n, head_dim)), jnp.bfloat16),
         window_kv=jnp.asarray(rng.standard_normal((batch, seq, head_dim)), jnp.bfloat16),
         sinks=jnp.asarray(rng.standard_normal(heads), jnp.float32),
-        segment_ids=jnp.asarray(seg), positions=jnp.asarray(pos),
-    )
+        segment_ids=jnp.asarray(seg), positions=jnp.asarray(pos))
 
 
-def loss_fn(target, implementation, window=32):
-    def f(logits, q, compressed_kv, window_kv, sinks, segment_ids, positions):
-        kwargs = dict(window_kv=window_kv, sinks=sinks) if target == "joint" else {}
-        return csa_pallas.indexer_distill_loss(logits, q, compressed_kv, segment_ids=segment_ids,
-                                               positions=positions, window_size=window, target=target,
-                                               implementation=implementation, **kwargs)
-    return f
-
-
-def check_against_reference():
+def check_against_reference() -> float:
+    """Prints loss and gradient agreement per case; returns the worst relative gradient difference."""
     x = tiny_inputs()
-    args = (x["logits"], x["q"], x["compressed_kv"], x["window_kv"], x["sinks"], x["segment_ids"], x["positions"])
-    print("== loss + gradient, deepseek4-tiny shape B=2 S=256 H=4 D=32 m=4 W=32, bf16 q/kv, 2 packed documents ==")
-    print(f"{'target':<9} {'impl':<7} {'loss':>12} {'|dI|max':>10} {'max|dI-dI_ref|':>15} {'CPU wall ms':>12}")
+    print("1) Correctness: loss and gradient through the Pallas kernels (interpret mode on this CPU) vs the pure-JAX "
+          "reference\n   deepseek4-tiny shape B=2 S=256 H=4 D=32 m=4 W=32, bf16 q/kv, two packed documents per row")
+    print(f"   {'case':<24} {'loss (kernels)':>15} {'loss (reference)':>17} {'max|dI-dI_ref|/max|dI_ref|':>27}")
     worst = 0.0
-    for target in ("per_head", "joint"):
-        results = {}
-        for impl in ("xla", "pallas"):
-            f = jax.jit(jax.value_and_grad(loss_fn(target, impl)))
-            jax.block_until_ready(f(*args))  # compile
-            t0 = time.perf_counter()
-            loss, grad = jax.block_until_ready(f(*args))
-            results[impl] = (float(loss), np.asarray(grad), 1e3 * (time.perf_counter() - t0))
-        ref_grad = results["xla"][1]
-        for impl, (loss, grad, ms) in results.items():
-            err = float(np.max(np.abs(grad - ref_grad)))
-            worst = max(worst, err / max(np.abs(ref_grad).max(), 1e-30))
-            print(f"{target:<9} {impl:<7} {loss:12.8f} {np.abs(grad).max():10.3e} {err:15.3e} {ms:12.1f}")
-        rel = abs(results["pallas"][0] - results["xla"][0]) / max(abs(results["xla"][0]), 1e-30)
-        assert rel < 1e-5, f"{target}: Pallas loss differs from the reference by {rel:.2e} (relative)"
-    assert worst < 1e-5, f"gradient differs from the reference by {worst:.2e} (relative to max)"
-    print("(CPU wall clock of the Pallas kernels in interpret mode and of the XLA reference on this host; "
-          "not TPU timings.)  Pallas == reference within 1e-5: OK\n")
+    for case, target, sparse in (("dense, per_head", "per_head", False), ("dense, joint", "joint", False),
+                                 ("sparse K=16, joint", "joint", True)):
+        logits = x["sparse_logits"] if sparse else x["dense_logits"]
+        extra = dict(window_kv=x["window_kv"], sinks=x["sinks"]) if target == "joint" else {}
+        if sparse:
+            extra["topk_indices"] = x["topk_indices"]
+
+        def run(implementation, extra=extra, target=target):
+            loss = lambda y: csa_pallas.indexer_distill_loss(
+                y, x["q"], x["compressed_kv"], segment_ids=x["segment_ids"], positions=x["positions"],
+                window_size=32, target=target, implementation=implementation, **extra)
+            return jax.jit(jax.value_and_grad(loss))(logits)
+        (loss_k, grad_k), (loss_r, grad_r) = run("pallas"), run("xla")
+        rel = float(jnp.max(jnp.abs(grad_k - grad_r)) / jnp.max(jnp.abs(grad_r)))
+        worst = max(worst, rel, abs(float(loss_k) - float(loss_r)) / abs(float(loss_r)))
+        print(f"   {case:<24} {float(loss_k):15.8f} {float(loss_r):17.8f} {rel:27.2e}")
+    verdict = "OK" if worst < 1e-5 else "MISMATCH"
+    print(f"   kernels == reference within 1e-5: {verdict}\n")
+    return worst
 
 
-def memory_table(seqs, topology):
-    print("== v5p HBM of forward+backward, DeepSeek-V4-Flash shape (B=1 H=64 D=512 m=4 W=128 bf16) ==")
-    print("(xla baseline = MaxText-style per-head softmax with a lax.scan over head chunks, benchmarks/xla_baseline.py)")
-    print(f"(AOT compile for {topology} on a '{jax.default_backend()}' host; bytes from compiled.memory_analysis())")
-    print(f"{'impl':<22} {'S':>7} {'status':<8} {'temp MiB':>10} {'args MiB':>10} {'out MiB':>9} {'compile s':>10}")
+# ------------------------------------------------------------------------------------------------ 2. memory
+
+def flash_structs(seq: int):
+    b, h, d, m = FLASH["batch"], FLASH["heads"], FLASH["head_dim"], FLASH["ratio"]
+    n = seq // m
+    return (aot.struct((b, seq, n), jnp.float32), aot.struct((b, seq, h, d), jnp.bfloat16),
+            aot.struct((b, n, d), jnp.bfloat16), aot.struct((b, seq, d), jnp.bfloat16), aot.struct((h,), jnp.float32))
+
+
+def programs():
+    """(name, kind, head chunk, fn(logits, q, kv, window_kv, sinks) -> (loss, dI))."""
     from benchmarks import xla_baseline
+    out = []
+    for target in ("per_head", "joint"):
+        def pallas(logits, q, kv, w, sinks, target=target):
+            kw = dict(window_kv=w, sinks=sinks) if target == "joint" else {}
+            return jax.value_and_grad(lambda y: csa_pallas.indexer_distill_loss(
+                y, q, kv, target=target, window_size=FLASH["window"], implementation="pallas", **kw))(logits)
+        out.append((f"csa_pallas {target}", "pallas", None, pallas))
+    for chunk in BASELINE_CHUNKS:
+        def baseline(logits, q, kv, w, sinks, chunk=chunk):
+            return jax.value_and_grad(lambda y: xla_baseline.dense_loss(y, q, kv, head_chunk=chunk))(logits)
+        out.append((f"XLA baseline head chunk {chunk}", "xla", chunk, baseline))
+    return out
+
+
+def compile_rows(seqs, topology: str) -> list:
+    rows = []
     for seq in seqs:
-        n = seq // 4
-        structs = (aot.struct((1, seq, n), jnp.float32), aot.struct((1, seq, 64, 512), jnp.bfloat16),
-                   aot.struct((1, n, 512), jnp.bfloat16), aot.struct((1, seq, 512), jnp.bfloat16),
-                   aot.struct((64,), jnp.float32))
-        rows = []
-        for target in ("per_head", "joint"):
-            def program(logits, q, kv, w, sinks, target=target):
-                kw = dict(window_kv=w, sinks=sinks) if target == "joint" else {}
-                return jax.value_and_grad(lambda x: csa_pallas.indexer_distill_loss(
-                    x, q, kv, target=target, window_size=128, implementation="pallas", **kw))(logits)
-            rows.append((f"pallas {target}", program))
-        for chunk in (1, 8):
-            def baseline(logits, q, kv, w, sinks, chunk=chunk):
-                return jax.value_and_grad(lambda x: xla_baseline.dense_loss(x, q, kv, head_chunk=chunk))(logits)
-            rows.append((f"xla baseline hc={chunk}", baseline))
-        for name, program in rows:
+        for name, kind, chunk, fn in programs():
             t0 = time.perf_counter()
+            row = dict(seq=seq, program=name, kind=kind, head_chunk=chunk, topology=topology)
             try:
-                report = aot.compile_memory(program, *structs, topology=topology)
-                status = "ok"
-                cols = f"{report.temp_bytes / MiB:10.1f} {report.argument_bytes / MiB:10.1f} " \
-                       f"{report.output_bytes / MiB:9.1f}"
-            except Exception as e:  # report the compiler's verdict (e.g. HBM overflow) instead of dying
-                status, cols = "FAIL", f"{str(e).splitlines()[0][:60]}"
-            print(f"{name:<22} {seq:>7} {status:<8} {cols} {time.perf_counter() - t0:10.1f}")
+                report = aot.compile_memory(fn, *flash_structs(seq), topology=topology)
+                row.update(status="ok", temp_mib=report.temp_bytes / MiB, argument_mib=report.argument_bytes / MiB,
+                           output_mib=report.output_bytes / MiB, peak_mib=report.peak_bytes / MiB)
+            except Exception as e:  # noqa: BLE001 - the compiler's verdict (HBM overflow) is a result
+                first = str(e).strip().splitlines()[0]
+                row.update(status="HBM overflow" if "RESOURCE_EXHAUSTED" in first else "failed", error=first[:200])
+            row["compile_s"] = round(time.perf_counter() - t0, 1)
+            rows.append(row)
+    return rows
 
 
-def main():
+def best_baseline(rows, seq):
+    fits = [r for r in rows if r["seq"] == seq and r["kind"] == "xla" and r["status"] == "ok"]
+    return min(fits, key=lambda r: r["temp_mib"]) if fits else None
+
+
+def print_memory(rows, seqs, topology):
+    shape = "B={batch} H={heads} D={head_dim} m={ratio} W={window}".format(**FLASH)
+    print(f"2) Memory: forward+backward at the DeepSeek-V4-Flash shape ({shape}, one document), compiled for one "
+          f"v5p chip ({topology}) on this host;\n   temp HBM in MiB from compiled.memory_analysis() (exact for the "
+          f"compiled program). XLA baseline: MaxText-style, best of head chunks {BASELINE_CHUNKS}.")
+    print(f"   {'S':>8} {'csa_pallas per_head':>20} {'csa_pallas joint':>17} {'XLA baseline best (chunk)':>27} "
+          f"{'baseline / csa_pallas':>22}")
+    get = lambda seq, name: next(r for r in rows if r["seq"] == seq and r["program"] == name)
+    for seq in seqs:
+        per_head, joint = get(seq, "csa_pallas per_head"), get(seq, "csa_pallas joint")
+        fmt = lambda r: f"{r['temp_mib']:,.1f}" if r["status"] == "ok" else r["status"]
+        best = best_baseline(rows, seq)
+        base = f"{best['temp_mib']:,.0f} ({best['head_chunk']})" if best else "HBM overflow (all)"
+        ratio = f"{best['temp_mib'] / per_head['temp_mib']:,.0f}x" if best and per_head["status"] == "ok" else "-"
+        print(f"   {seq:>8,} {fmt(per_head):>20} {fmt(joint):>17} {base:>27} {ratio:>22}")
+    print("   (one [S, N] f32 array is S^2/4 * 4 bytes: 16 MiB at 4K, 16 GiB at 128K; csa_pallas keeps none)\n")
+
+
+def plot_memory(rows, seqs, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = [("csa_pallas per_head", "C0", "-"), ("csa_pallas joint", "C2", "-")]
+    for name, color, style in series:
+        pts = [(r["seq"], r["temp_mib"]) for r in rows if r["program"] == name and r["status"] == "ok"]
+        ax.plot(*zip(*pts), style, marker="o", color=color, label=name)
+    best = [(s, b["temp_mib"]) for s in seqs if (b := best_baseline(rows, s))]
+    if best:
+        ax.plot(*zip(*best), "--", marker="s", color="C3", label="XLA baseline, best head chunk")
+    ax.axhline(V5P_HBM_MIB, color="gray", lw=0.8, ls=":", label="v5p HBM (95 GB)")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length S", ylabel="temp HBM, MiB (v5p compile)",
+           title="Indexer distillation loss, fwd+bwd, DeepSeek-V4-Flash shape, one v5p chip")
+    ax.set_xticks(list(seqs), [f"{s // 1024}K" for s in seqs])
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", lw=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_rows(rows, out: str) -> None:
+    with open(os.path.join(out, "memory.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    fields = sorted({k for r in rows for k in r})
+    with open(os.path.join(out, "memory.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ------------------------------------------------------------------------------------------------ 3. estimates
+
+def print_recorded_estimates() -> None:
+    with open(os.path.join(RECORDED, "dense.json")) as f:
+        dense = json.load(f)
+    with open(os.path.join(RECORDED, "sparse.json")) as f:
+        sparse = [r for r in json.load(f) if r["width"] == 512 and r["heads"] == 64]
+    print("3) Speed: static v5p estimates on record (tpu_estimate BEST ESTIMATE of the compiled bundles; estimates, "
+          "not TPU timings; see the README for the commands)")
+    for r in dense["rows"]:
+        print(f"   dense mode, S={r['seq']:,}, fwd+bwd: {r['program']:<38} {r['est_us']:>9,.1f} us")
+    base = next(r["est_us"] for r in dense["rows"] if r["program"].startswith("XLA"))
+    ours = next(r["est_us"] for r in dense["rows"] if r["program"] == "csa_pallas per_head")
+    print(f"   -> {base / ours:.2f}x the XLA baseline's best head chunk")
+    print(f"   sparse top-K=512, fwd+bwd per_head, uniform selection (ms): {'S':>8} {'csa_pallas':>11} "
+          f"{'dense mode':>11} {'XLA gather baseline':>20}")
+    for seq in sorted({r["seq"] for r in sparse}):
+        pick = lambda prog, pat: next((r for r in sparse if r["seq"] == seq and r["program"] == prog
+                                       and r["pattern"] == pat), None)
+        path = "gather" if (seq // FLASH["ratio"]) * FLASH["heads"] >= 600 * 512 else "visit"  # ops_sparse.choose_path
+        ours = pick(path, "any" if path == "gather" else "uniform")
+        dense_row, xla = pick("dense mode", "all blocks"), pick("xla gather baseline", "any")
+        cell = lambda r, key: f"{r[key] / 1e3:,.2f}" if r and np.isfinite(r[key]) else "-"
+        print(f"   {'':<58} {seq:>8,} {cell(ours, 'best_us'):>11} {cell(dense_row, 'best_us'):>11} "
+              f"{cell(xla, 'est_us'):>20}")
+    print()
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, nargs="*", default=[4096], help="sequence lengths for the v5p table")
+    parser.add_argument("--seq", type=int, nargs="+", default=list(SEQS), help="sequence lengths for the v5p table")
+    parser.add_argument("--quick", action="store_true", help="S = 4096 only")
     parser.add_argument("--topology", default=aot.DEFAULT_TOPOLOGY)
-    args = parser.parse_args()
-    check_against_reference()
-    if aot.libtpu_available():
-        memory_table(args.seq, args.topology)
-    else:
-        print("libtpu not installed: skipping the v5p AOT table (pip install 'jax[tpu]==0.10.2')")
+    parser.add_argument("--out", default=os.path.join(REPO, "results", "demo"))
+    args = parser.parse_args(argv)
+    seqs = [4096] if args.quick else args.seq
+    worst = check_against_reference()
+    if not aot.libtpu_available():
+        print("libtpu is not installed: no v5p compile (pip install 'jax[tpu]==0.10.2', the bench extra)")
+        return 0 if worst < 1e-5 else 1
+    rows = compile_rows(seqs, args.topology)
+    print_memory(rows, seqs, args.topology)
+    os.makedirs(args.out, exist_ok=True)
+    write_rows(rows, args.out)
+    plot_memory(rows, seqs, os.path.join(args.out, "memory.png"))
+    print_recorded_estimates()
+    print(f"Every compiled row: {os.path.join(args.out, 'memory.csv')} (.json); plot: "
+          f"{os.path.join(args.out, 'memory.png')}")
+    return 0 if worst < 1e-5 else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

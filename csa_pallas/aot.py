@@ -13,9 +13,12 @@ processes (tests, benchmarks) can coexist.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+import sys
+import tempfile
 from typing import Any, Callable, Sequence
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -29,11 +32,33 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 DEFAULT_TOPOLOGY = "v5p:2x2x1"
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silences file descriptor 2 (libtpu's C++ start-up warnings about TPU_WORKER_HOSTNAMES and the accelerator
+    type, meaningless on a host that only compiles); what was written is re-emitted if the block raises."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            sink.seek(0)
+            sys.stderr.write(sink.read().decode(errors="replace"))
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 @functools.lru_cache(maxsize=None)
 def tpu_devices(topology: str = DEFAULT_TOPOLOGY):
     """Abstract TPU devices of `topology` (e.g. 'v5p:2x2x1' = 4 chips). Raises RuntimeError without libtpu."""
     try:
-        return tuple(topologies.get_topology_desc(topology, "tpu").devices)
+        with _quiet_stderr():
+            return tuple(topologies.get_topology_desc(topology, "tpu").devices)
     except Exception as e:  # libtpu missing or unknown topology
         raise RuntimeError(f"cannot build TPU topology {topology!r} (is libtpu installed? pip install "
                            f"'jax[tpu]==0.10.2'): {e}") from e
