@@ -103,9 +103,9 @@ def program(impl: str, target: str, chunk, which: str):
 def pallas_config_note(seq: int, target: str) -> str:
     """The teacher kernel's default tiling for this shape (informational; empty if the API changed)."""
     try:
-        from csa_pallas.kernels import teacher
+        from csa_pallas.kernels import teacher_config
         mode = "per_head" if target == "per_head" else "joint"
-        cfg = teacher.default_config(num_heads=H, head_dim=D, seq_len=seq, num_blocks=seq // M, dtype=jnp.bfloat16,
+        cfg = teacher_config.default_config(num_heads=H, head_dim=D, seq_len=seq, num_blocks=seq // M, dtype=jnp.bfloat16,
                                      mode=mode)
         return (f"bq{cfg.block_q} bk{cfg.block_k} hc{cfg.head_chunk} "
                 f"{'cached' if cfg.cache_scores else 'two-pass'} vmem{cfg.vmem_limit_bytes // (1 << 20)}M")
@@ -377,7 +377,7 @@ def estimate_cases(seq: int, chunks):
     """(label, kind, fn, arg structs); kind 'teacher' or 'fwd+bwd'."""
     import csa_pallas
     from csa_pallas import ops, validation
-    from csa_pallas.kernels import teacher as teacher_kernel
+    from csa_pallas.kernels import teacher_config
     from benchmarks import xla_baseline
 
     n = seq // M
@@ -390,7 +390,7 @@ def estimate_cases(seq: int, chunks):
         return csa_pallas.teacher_distribution(q, kv, segment_ids=seg, compress_ratio=M, target="per_head",
                                                implementation="pallas")
 
-    default = teacher_kernel.default_config(num_heads=H, head_dim=D, seq_len=seq, num_blocks=n, dtype=jnp.bfloat16,
+    default = teacher_config.default_config(num_heads=H, head_dim=D, seq_len=seq, num_blocks=n, dtype=jnp.bfloat16,
                                             mode="per_head")
     tag = "cached scores (one matmul)" if default.cache_scores else "two-pass"
     cases.append((f"teacher pallas per_head, default config ({tag}, hc{default.head_chunk})", "teacher",

@@ -38,6 +38,7 @@ from csa_pallas.kernels import kl as kl_kernels
 from csa_pallas.kernels import runtime
 from csa_pallas.kernels import schedule as schedule_lib
 from csa_pallas.kernels import teacher as teacher_kernel
+from csa_pallas.kernels import teacher_config
 from csa_pallas.kernels import window_lse as window_kernel
 from csa_pallas.validation import Problem
 
@@ -104,7 +105,7 @@ def pad_axis(x, axis: int, size: int, value=0):
 class DenseLayout:
     """Padded kernel inputs shared by the teacher and KL kernels (block sizes from the teacher config)."""
 
-    cfg: teacher_kernel.TeacherConfig
+    cfg: teacher_config.TeacherConfig
     schedule: schedule_lib.TileSchedule
     seq_len: int
     num_blocks: int
@@ -132,14 +133,14 @@ def dense_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> DenseLayou
     """cfg: a `TeacherConfig`, or a Mapping of its fields overriding the heuristic default (None: the default).
     kl_logits_dtype: size the default tiles for the fused-KL teacher (the loss path) with logits of that dtype."""
     dtype = compute_dtype(problem.q, problem.compressed_kv)
-    if not isinstance(cfg, teacher_kernel.TeacherConfig):
-        default = teacher_kernel.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
+    if not isinstance(cfg, teacher_config.TeacherConfig):
+        default = teacher_config.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
                                                 seq_len=problem.seq_len, num_blocks=problem.num_blocks, dtype=dtype,
                                                 mode=teacher_mode(problem), head_chunk=problem.head_chunk,
                                                 kl_logits_dtype=kl_logits_dtype)
-        cfg = teacher_kernel.with_overrides(default, cfg)
+        cfg = teacher_config.with_overrides(default, cfg)
     s_p = common.round_up(problem.seq_len, cfg.block_q)
-    n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
+    n_p = teacher_config.padded_blocks(problem.num_blocks, cfg.block_k)
     qmeta = common.query_meta(problem.segment_ids, query_positions(problem), s_p)
     block_segment, block_end = reference.block_keys(problem)
     kmeta = common.key_meta(block_segment, block_end, n_p, masks.INVALID_BLOCK_END)
@@ -247,7 +248,7 @@ def lse_blocks(stats, problem: Problem, cfg, padded_seq: int, dtype, reduce_low=
     if stats is None:
         return None
     if to_hbm is None:
-        to_hbm = teacher_kernel.resolve_row_layout(cfg, problem.num_heads, dtype).stats_to_hbm
+        to_hbm = teacher_config.resolve_row_layout(cfg, problem.num_heads, dtype).stats_to_hbm
     stats = jax.lax.stop_gradient(stats).astype(jnp.float32)
     low = row_low(stats)
     if reduce_low is not None:
@@ -351,7 +352,7 @@ class FusedStatic:
 
     run: Callable
     mode: str
-    cfg: teacher_kernel.TeacherConfig
+    cfg: teacher_config.TeacherConfig
     schedule: schedule_lib.TileSchedule
     scale: float
     seq_len: int

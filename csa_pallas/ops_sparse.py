@@ -35,6 +35,7 @@ from csa_pallas.kernels import schedule as schedule_lib
 from csa_pallas.kernels import selection
 from csa_pallas.kernels import sparse_gather
 from csa_pallas.kernels import teacher as teacher_kernel
+from csa_pallas.kernels import teacher_config
 from csa_pallas.validation import Problem
 
 # Widest KL tile along the slots (lanes); K_p above it is walked in 128-lane tiles.
@@ -53,7 +54,7 @@ class SparseLayout:
     """Static sizes of the sparse kernels: the path ("visit": the teacher kernel with a selection; "gather": the
     K-proportional kernel), its config, the kv-tile schedule (visit) and the padded extents."""
 
-    cfg: object  # teacher.TeacherConfig (visit) or sparse_gather.GatherConfig (gather)
+    cfg: object  # teacher_config.TeacherConfig (visit) or sparse_gather.GatherConfig (gather)
     schedule: Optional[schedule_lib.TileSchedule]
     padded_seq: int  # a multiple of block_q and of the bit kernels' rows (`selection.build_rows`)
     padded_blocks: int
@@ -87,7 +88,7 @@ def choose_path(problem: Problem, forced: Optional[str] = None, gather_fits: boo
 
 def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLayout:
     """cfg: a `TeacherConfig` (the visit path), or a Mapping of fields overriding the heuristic default: "path"
-    ("visit" | "gather"), then the chosen path's config fields (`teacher.TeacherConfig` or
+    ("visit" | "gather"), then the chosen path's config fields (`teacher_config.TeacherConfig` or
     `sparse_gather.GatherConfig`). kl_logits_dtype: size the default tiles for the fused-KL kernel (the loss path)."""
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
     overrides = dict(cfg) if isinstance(cfg, Mapping) else None
@@ -97,7 +98,7 @@ def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLay
     gather_cfg = sparse_gather.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
                                               num_blocks_padded=n8, width_p=k_p, dtype=dtype,
                                               kl_logits_dtype=kl_logits_dtype)
-    path = "visit" if isinstance(cfg, teacher_kernel.TeacherConfig) else choose_path(
+    path = "visit" if isinstance(cfg, teacher_config.TeacherConfig) else choose_path(
         problem, forced, gather_cfg is not None)
     if path == "gather":
         fields = {f.name for f in dataclasses.fields(sparse_gather.GatherConfig)}
@@ -110,14 +111,14 @@ def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLay
         return SparseLayout(cfg=gather_cfg, schedule=None, padded_seq=s_p, padded_blocks=n8, padded_width=k_p,
                             path="gather")
     cfg = overrides if overrides is not None else cfg
-    if not isinstance(cfg, teacher_kernel.TeacherConfig):
-        default = teacher_kernel.default_config(
+    if not isinstance(cfg, teacher_config.TeacherConfig):
+        default = teacher_config.default_config(
             num_heads=problem.num_heads, head_dim=problem.head_dim, seq_len=problem.seq_len,
             num_blocks=problem.num_blocks, width=problem.width, dtype=dtype, mode=ops.teacher_mode(problem),
             head_chunk=problem.head_chunk, kl_logits_dtype=kl_logits_dtype)
-        cfg = teacher_kernel.with_overrides(default, cfg)
+        cfg = teacher_config.with_overrides(default, cfg)
     s_p = common.round_up(problem.seq_len, math.lcm(cfg.block_q, selection.build_rows(problem.seq_len)))
-    n_p = teacher_kernel.padded_blocks(problem.num_blocks, cfg.block_k)
+    n_p = teacher_config.padded_blocks(problem.num_blocks, cfg.block_k)
     # Default positions: the causal prefix of each query tile is static (the selection already holds V(t), so
     # a loss_mask needs no table schedule here); otherwise the ranges come from the selected tiles.
     schedule = schedule_lib.TileSchedule(causal=problem.default_ids, nq=s_p // cfg.block_q,

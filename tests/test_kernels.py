@@ -12,7 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 import csa_pallas
 from csa_pallas import reference, validation
 from csa_pallas.kernels import runtime
-from csa_pallas.kernels.teacher import TeacherConfig
+from csa_pallas.kernels.teacher_config import TeacherConfig
 
 from kernel_cases import assert_matches, make_case, run_case
 

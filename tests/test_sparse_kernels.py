@@ -14,7 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 import csa_pallas
 from csa_pallas import ops_sparse, reference, validation
 from csa_pallas.kernels import runtime, slot_counts
-from csa_pallas.kernels.teacher import TeacherConfig
+from csa_pallas.kernels.teacher_config import TeacherConfig
 
 from kernel_cases import TEACHER_KEYS, assert_matches, make_case
 

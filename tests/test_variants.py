@@ -19,7 +19,7 @@ import pytest
 
 import csa_pallas
 from csa_pallas import aot, ops, ops_sparse, validation
-from csa_pallas.kernels import teacher as teacher_kernel
+from csa_pallas.kernels import teacher_config
 
 from aot_cases import require_libtpu
 from kernel_cases import make_case
@@ -147,10 +147,10 @@ def resolved(name):
     if facts["path"] == "gather":
         return facts, cfg
     nh = problem.num_heads // cfg.head_chunk
-    facts["token_major"] = teacher_kernel.resolve_row_layout(cfg, problem.num_heads, a["q"].dtype).token_major
-    facts["walk"] = teacher_kernel.resolve_walk(cfg, schedule, cached=cfg.cache_scores, num_chunks=nh,
+    facts["token_major"] = teacher_config.resolve_row_layout(cfg, problem.num_heads, a["q"].dtype).token_major
+    facts["walk"] = teacher_config.resolve_walk(cfg, schedule, cached=cfg.cache_scores, num_chunks=nh,
                                                 normalize=True, sparse=sparse)
-    facts["straight_pass2"] = teacher_kernel.resolve_straight_pass2(cfg, schedule, cfg.cache_scores)
+    facts["straight_pass2"] = teacher_config.resolve_straight_pass2(cfg, schedule, cfg.cache_scores)
     return facts, cfg
 
 

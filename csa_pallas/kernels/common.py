@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 LANES = 128
 SUBLANES = 8
+MiB = 1 << 20
+# Scores are kept in base 2 inside the kernels (z * log2 e, exp2): exp(x) lowers to exp2(x * log2 e) anyway.
+LOG2E = math.log2(math.e)
 # A finite floor for running maxima: exp(floor - floor) = 1 keeps the online rescale NaN-free on fully masked tiles.
 STAT_FLOOR = -1e30
 F32_TINY = float(jnp.finfo(jnp.float32).tiny)

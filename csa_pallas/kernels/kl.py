@@ -27,7 +27,7 @@ from csa_pallas.kernels import common, runtime
 from csa_pallas.kernels import schedule as schedule_lib
 
 STAT_ROWS = 8  # KL, lse, sum P, non-empty, padding to one sublane tile
-MiB = 1 << 20
+MiB = common.MiB
 
 
 def _visible(qmeta_ref, kmeta_ref):

@@ -18,13 +18,12 @@ is poisoned to NaN here (`compressed_log2_mass`).
 
 from __future__ import annotations
 
-import math
 
 import jax.numpy as jnp
 
 from csa_pallas.kernels import common
 
-LOG2E = math.log2(math.e)
+LOG2E = common.LOG2E
 MODES = ("per_head", "joint", "full_lse")  # the teachers' denominators (SPEC §3), `head_log2_mass`
 
 

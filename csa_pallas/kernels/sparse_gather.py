@@ -33,7 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from csa_pallas.kernels import common, fused_kl, rebase, runtime, selection
 
-MiB = 1 << 20
+MiB = common.MiB
 LANES = common.LANES
 
 

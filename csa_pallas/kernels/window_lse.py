@@ -27,8 +27,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from csa_pallas.kernels import common, runtime
 
-MiB = 1 << 20
-LOG2E = math.log2(math.e)
+MiB = common.MiB
+LOG2E = common.LOG2E
 LN2 = math.log(2.0)
 MAX_TILES_PER_STEP = 2
 MAX_ROWS = 8192

@@ -1,0 +1,87 @@
+"""Kernel fingerprints: a hash of every Pallas kernel body (jaxpr) and grid of ten representative configurations,
+so a refactor that should not change the kernels proves it did not. A commit that changes a kernel on purpose
+regenerates them and says so:
+
+    python tests/test_fingerprints.py --write      # rewrites tests/fingerprints.json
+
+Hashes depend on the pinned jax version (0.10.2)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import platform_select  # noqa: E402
+
+platform_select.configure()
+
+import jax  # noqa: E402
+import jax.extend.core as jex_core  # noqa: E402
+import pytest  # noqa: E402
+
+import csa_pallas  # noqa: E402
+import test_variants as variants  # noqa: E402
+
+FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fingerprints.json")
+CASES = ("dense_merged_pairs", "dense_pairs", "dense_plain_straight", "dense_two_pass", "dense_head_major_rows",
+         "dense_table_cached", "sparse_visit_cached", "sparse_visit_table", "sparse_gather", "sparse_gather_bf16_planes")
+
+
+def _kernel_texts(jaxpr) -> list:
+    """The printed kernel jaxpr and grid mapping of every pallas_call in `jaxpr`, in program order."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append(f"{eqn.params['name']}\n{eqn.params['jaxpr']}\n"
+                       f"{eqn.params['grid_mapping'].grid}")
+            continue  # its body is the kernel: no pallas_call nests inside
+        for param in eqn.params.values():
+            for sub in (param if isinstance(param, (list, tuple)) else (param,)):
+                if isinstance(sub, jex_core.ClosedJaxpr):
+                    out += _kernel_texts(sub.jaxpr)
+                elif isinstance(sub, jex_core.Jaxpr):
+                    out += _kernel_texts(sub)
+    return out
+
+
+def fingerprint(name: str) -> dict:
+    """{"kernels": count, "sha256": hash} of the forward+backward and teacher kernels of variant `name`."""
+    a = variants.arrays_for(name)
+    config = variants.config_of(name)
+
+    def run(a):
+        kw = variants.call_kwargs(a)
+        loss = lambda x: csa_pallas.indexer_distill_loss(x, a["q"], a["compressed_kv"], head_chunk=config.get(
+            "head_chunk"), implementation="pallas", config=config, **kw)
+        return jax.value_and_grad(loss)(a["logits"])
+    texts = _kernel_texts(jax.make_jaxpr(run)(a).jaxpr)
+    digest = hashlib.sha256("\n\n".join(texts).encode()).hexdigest()[:16]
+    return dict(kernels=len(texts), sha256=digest)
+
+
+def _recorded() -> dict:
+    with open(FILE) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_kernel_fingerprints_are_unchanged(name):
+    got = fingerprint(name)
+    assert got["kernels"] > 0
+    want = _recorded()[name]
+    assert got == want, (f"{name}: the kernels changed ({want} -> {got}). If on purpose, regenerate with "
+                         f"`python tests/test_fingerprints.py --write` and say so in the commit")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        table = {name: fingerprint(name) for name in CASES}
+        with open(FILE, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(json.dumps(table, indent=1, sort_keys=True))
+    else:
+        print(__doc__)
