@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from csa_pallas import masks
+from csa_pallas import loss_vjp
 from csa_pallas import ops
 from csa_pallas import reference
 from csa_pallas import validation
@@ -303,7 +304,7 @@ def kl_rows(indexer_logits, target_padded, layout: SparseLayout):
     """Per-row KL [B, S] over the K slots and the non-empty row mask [B, S] (validity read from P >= 0)."""
     schedule, firsts, counts = _kl_schedule(indexer_logits.shape[0], layout.padded_seq, layout.padded_width,
                                             layout.cfg.block_q)
-    return ops.padded_kl_rows(indexer_logits, target_padded, qmeta=None, kmeta=None, firsts=firsts, counts=counts,
+    return loss_vjp.padded_kl_rows(indexer_logits, target_padded, qmeta=None, kmeta=None, firsts=firsts, counts=counts,
                               schedule=schedule, target_mask=True)
 
 
@@ -313,7 +314,7 @@ class _FusedSparse:
 
     layout: SparseLayout
 
-    def __call__(self, static: ops.FusedStatic, kl, logits, operands):
+    def __call__(self, static: loss_vjp.FusedStatic, kl, logits, operands):
         return _launch(self.layout, operands, mode=static.mode, scale=static.scale, seq_len=static.seq_len, kl=kl,
                        logits=logits, interpret=static.interpret)
 
@@ -324,17 +325,16 @@ def fused_kl_rows(indexer_logits, problem: Problem, layout: SparseLayout,
     path) with the fused KL (P stays in VMEM; V(t) = the row's valid slots)."""
     mode, operands = kernel_operands(problem, layout)
     chunk = getattr(layout.cfg, "kl_chunk", None) or kl_chunk  # GatherConfig has no kl_chunk field
-    static = ops.FusedStatic(_FusedSparse(layout), mode, layout.cfg, layout.schedule, problem.softmax_scale,
-                             problem.seq_len,
-                             runtime.interpret_mode(), chunk)
-    return ops.fused_rows(indexer_logits, static, operands, padded_seq=layout.padded_seq,
-                          padded_width=layout.padded_width)
+    static = loss_vjp.FusedStatic(_FusedSparse(layout), mode, layout.cfg, layout.schedule, problem.softmax_scale,
+                                  problem.seq_len, runtime.interpret_mode(), chunk)
+    return loss_vjp.fused_rows(indexer_logits, static, operands, padded_seq=layout.padded_seq,
+                               padded_width=layout.padded_width)
 
 
 def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0, cfg=None):
     """Sparse-mode loss through the fused sparse teacher + KL kernel; same contract as
     `reference.indexer_distill_loss`."""
-    return ops.loss_through_kernels(
+    return loss_vjp.loss_through_kernels(
         indexer_logits, problem,
         make_layout=lambda pr: sparse_layout(pr, cfg, kl_logits_dtype=ops.logits_dtype(indexer_logits)),
         make_target=lambda pr, layout: pr,

@@ -35,9 +35,9 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from csa_pallas import api
 from csa_pallas import placement
+from csa_pallas import plans
 from csa_pallas import reference
 from csa_pallas import validation
-from csa_pallas.kernels import teacher as teacher_kernel
 from csa_pallas.validation import Problem
 
 
@@ -245,41 +245,30 @@ def _kl_rows_problem(shard: Problem, axes: MeshAxes, num_head_shards: int) -> Pr
         softmax_scale=shard.softmax_scale, target="per_head", head_chunk=shard.head_chunk, implementation="pallas")
 
 
-def _layout(path, problem: Problem):
-    return path.sparse_layout(problem) if problem.sparse else path.dense_layout(problem)
-
-
 def _local_target(local: dict, problem: Problem, axes: MeshAxes, num_seq_shards: int, num_head_shards: int):
-    """The normalised target of the rows this device owns: (padded target, KL layout, path module, rows problem).
+    """The normalised target of the rows this device owns: (padded target, KL layout, plan, rows problem).
 
     Heads sharded: each head shard's teacher head sum over the shard's rows is reduce-scattered over the head axis
     (sum over heads, each device keeps 1/n_heads of the rows) and normalised there, so the KL runs once per row.
     """
-    from csa_pallas import ops, ops_sparse
     shard = _local_problem(local, problem, axes, num_seq_shards)
-    path = ops_sparse if shard.sparse else ops
-    layout = _layout(path, shard)
+    plan = plans.plan_for(shard)
+    layout = plan.layout(shard)
     if axes.heads is None:
-        return path.teacher_padded(shard, layout), layout, path, shard
+        return plan.teacher(shard, layout), layout, plan, shard
     # sigma (the rows' shift of u, `ops.lse_blocks`) must be one number per row for all heads: min over shards.
-    head_sum, rowmax = path.teacher_padded(shard, layout, normalize=False,
-                                           reduce_low=lambda low: lax.pmin(low, axes.heads))
+    head_sum, rowmax = plan.teacher(shard, layout, normalize=False, reduce_low=lambda low: lax.pmin(low, axes.heads))
     head_sum, rowmax = head_sum[:, :shard.seq_len, :shard.width], rowmax[:, :shard.seq_len]
     # Each shard's sums are relative to its own row max M of the head weights (`kernels.rebase`): rescale them to
     # the max over all head shards before adding (a [B, S] collective), so nothing underflows whatever u - C is.
     top = lax.pmax(rowmax, axes.heads)
     factor = jnp.where(top == -jnp.inf, 1.0, jnp.exp2(rowmax - top))[..., None]
-    valid = head_sum >= 0.0 if shard.sparse else True  # sparse: negative entries mark empty slots
-    head_sum = jnp.where(valid, head_sum * factor, head_sum)
+    head_sum = jnp.where(plan.valid_entries(head_sum), head_sum * factor, head_sum)
     mine = lax.psum_scatter(head_sum, axes.heads, scatter_dimension=1, tiled=True)
     rows_problem = _kl_rows_problem(shard, axes, num_head_shards)
-    kl_layout = _layout(path, rows_problem)
-    if shard.sparse:
-        target, fill, width_p = ops_sparse.normalize_slots(mine), teacher_kernel.EMPTY_SLOT, kl_layout.padded_width
-    else:
-        target, fill, width_p = teacher_kernel.normalize_rows(mine), 0.0, kl_layout.padded_blocks
-    target = ops.pad_axis(ops.pad_axis(target, 1, kl_layout.padded_seq, fill), 2, width_p, fill)
-    return jax.lax.stop_gradient(target), kl_layout, path, rows_problem
+    kl_layout = plan.layout(rows_problem)
+    target = plans.finish_head_sum(plan, mine, kl_layout)
+    return jax.lax.stop_gradient(target), kl_layout, plan, rows_problem
 
 
 def _shard_inputs(problem: Problem, axes: MeshAxes, indexer_logits=None):
@@ -378,15 +367,11 @@ def sharded_indexer_distill_loss(
 
     def per_shard(local):
         if axes.heads is None:  # every row's head sum is local: the fused teacher + KL kernel
-            from csa_pallas import ops, ops_sparse
             shard, logits = _local_problem(local, problem, axes, num_seq_shards), local["logits"]
-            if shard.sparse:
-                layout = ops_sparse.sparse_layout(shard, kl_logits_dtype=logits.dtype)
-                return ops_sparse.fused_kl_rows(logits, shard, layout)
-            layout = ops.dense_layout(shard, kl_logits_dtype=logits.dtype)
-            return ops.fused_kl_rows(logits, ops.teacher_inputs(shard, layout), layout, shard)
-        target, layout, path, _ = _local_target(local, problem, axes, num_seq_shards, num_head_shards)
-        return path.kl_rows(local["logits"], target, layout)
+            plan = plans.plan_for(shard)
+            return plan.fused_kl_rows(logits, shard, plan.layout(shard, kl_logits_dtype=logits.dtype))
+        target, layout, plan, _ = _local_target(local, problem, axes, num_seq_shards, num_head_shards)
+        return plan.kl_rows(local["logits"], target, layout)
 
     rows, nonempty = jax.shard_map(per_shard, mesh=mesh, in_specs=(specs,),
                                    out_specs=(axes.loss_rows_spec(), axes.loss_rows_spec()), check_vma=False)(arrays)
@@ -430,7 +415,7 @@ def sharded_teacher_distribution(
 
     def per_shard(local):
         target, _, _, rows_problem = _local_target(local, problem, axes, num_seq_shards, num_head_shards)
-        return jnp.maximum(target[:, :rows_problem.seq_len, :problem.width], 0.0)  # sparse: -1 marks empty slots
+        return plans.positive_part(target[:, :rows_problem.seq_len, :problem.width])
 
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=axes.kl_spec(), check_vma=False)(arrays)
 

@@ -1,4 +1,4 @@
-"""Kernel fingerprints: a hash of every Pallas kernel body (jaxpr) and grid of ten representative configurations,
+"""Kernel fingerprints: a hash of every Pallas kernel body (its jaxpr, printed canonically) and grid of ten representative configurations,
 so a refactor that should not change the kernels proves it did not. A commit that changes a kernel on purpose
 regenerates them and says so:
 
@@ -30,13 +30,53 @@ CASES = ("dense_merged_pairs", "dense_pairs", "dense_plain_straight", "dense_two
          "dense_table_cached", "sparse_visit_cached", "sparse_visit_table", "sparse_gather", "sparse_gather_bf16_planes")
 
 
+def _is_jaxpr(x) -> bool:
+    return isinstance(x, (jex_core.ClosedJaxpr, jex_core.Jaxpr))
+
+
+def _canonical(jaxpr, depth: int = 0) -> list:
+    """A printout of `jaxpr` that depends only on its contents: every sub-jaxpr printed inline where it is used
+    (JAX's printer shares a sub-jaxpr traced once from one Python function, so equal programs traced from
+    differently shaped Python code print differently), variables numbered in order of appearance."""
+    if isinstance(jaxpr, jex_core.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    names = {}
+
+    def name(v):
+        if isinstance(v, jex_core.Literal):
+            return f"{v.val}:{v.aval.str_short()}"
+        if v not in names:
+            names[v] = f"v{len(names)}:{v.aval.str_short()}"
+        return names[v]
+
+    pad = "  " * depth
+    lines = [pad + "in " + " ".join(name(v) for v in jaxpr.constvars + jaxpr.invars)]
+    for eqn in jaxpr.eqns:
+        params, subs = [], []
+        for key in sorted(eqn.params):
+            value = eqn.params[key]
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            if items and all(_is_jaxpr(x) for x in items):
+                subs += [(key, x) for x in items]
+            else:
+                params.append(f"{key}={value}")
+        ins = " ".join(name(v) for v in eqn.invars)
+        outs = " ".join(name(v) for v in eqn.outvars)
+        lines.append(f"{pad}{outs} = {eqn.primitive.name}[{', '.join(params)}] {ins}")
+        for key, sub in subs:
+            lines.append(f"{pad}  {key}:")
+            lines += _canonical(sub, depth + 2)
+    lines.append(pad + "out " + " ".join(name(v) for v in jaxpr.outvars))
+    return lines
+
+
 def _kernel_texts(jaxpr) -> list:
-    """The printed kernel jaxpr and grid mapping of every pallas_call in `jaxpr`, in program order."""
+    """The canonical kernel body and grid of every pallas_call in `jaxpr`, in program order."""
     out = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
-            out.append(f"{eqn.params['name']}\n{eqn.params['jaxpr']}\n"
-                       f"{eqn.params['grid_mapping'].grid}")
+            out.append(f"{eqn.params['name']}\n" + "\n".join(_canonical(eqn.params["jaxpr"]))
+                       + f"\n{eqn.params['grid_mapping'].grid}")
             continue  # its body is the kernel: no pallas_call nests inside
         for param in eqn.params.values():
             for sub in (param if isinstance(param, (list, tuple)) else (param,)):
