@@ -145,7 +145,7 @@ def indexer_distill_loss(
         zero gradients) without computing anything.
       head_chunk: heads per VMEM tile (any divisor of H; default from the kernel config).
       implementation: None, "xla" or "pallas" (module docstring).
-      config: the teacher kernel's variant (`csa_pallas.kernels.teacher.TeacherConfig`, or a dict of its fields
+      config: the teacher kernel's variant (`csa_pallas.kernels.teacher_config.TeacherConfig`, or a dict of its fields
         overriding the heuristics, e.g. {"walk": "plain", "cache_scores": False}); Pallas path only.
 
     Returns:

@@ -1,5 +1,6 @@
-"""The README's main job (benchmarks/demo.py) end to end at S = 4096 (narrower heads): the kernels agree with the reference, the v5p
-compiles give a memory row per program (csa_pallas below the baseline), the outputs and the recorded estimates load."""
+"""The README's main job (benchmarks/demo.py) end to end at S = 4096 (narrower heads): the kernels agree with the
+reference, the v5p compiles give a memory row per program (csa_pallas below the baseline), the outputs and the
+recorded estimates load."""
 
 import json
 import os

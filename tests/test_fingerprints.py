@@ -1,6 +1,6 @@
-"""Kernel fingerprints: a hash of every Pallas kernel body (its jaxpr, printed canonically) and grid of ten representative configurations,
-so a refactor that should not change the kernels proves it did not. A commit that changes a kernel on purpose
-regenerates them and says so:
+"""Kernel fingerprints: a hash of every Pallas kernel body (its jaxpr, printed canonically) and grid of ten
+representative configurations, so a refactor that should not change the kernels proves it did not. A commit that
+changes a kernel on purpose regenerates them and says so:
 
     python tests/test_fingerprints.py --write      # rewrites tests/fingerprints.json
 
@@ -27,7 +27,8 @@ import test_variants as variants  # noqa: E402
 
 FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fingerprints.json")
 CASES = ("dense_merged_pairs", "dense_pairs", "dense_plain_straight", "dense_two_pass", "dense_head_major_rows",
-         "dense_table_cached", "sparse_visit_cached", "sparse_visit_table", "sparse_gather", "sparse_gather_bf16_planes")
+         "dense_table_cached", "sparse_visit_cached", "sparse_visit_table", "sparse_gather",
+         "sparse_gather_bf16_planes")
 
 
 def _is_jaxpr(x) -> bool:

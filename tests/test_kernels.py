@@ -76,7 +76,7 @@ def test_causal_diagonal_tiles_of_two_chunks(target, heads, head_chunk, cache):
 @pytest.mark.parametrize("traced_scale", [False, True])
 def test_uniform_row_weight_loss_with_static_and_traced_scale(reduction, traced_scale):
     # Default ids: every row has the same static weight (for "mean": 1 / (B * (S - m + 1))), so the kernel saves G
-    # pre-scaled and the loss is one custom_vjp output (`ops.fused_weighted_loss`); a traced scale multiplies after.
+    # pre-scaled and the loss is one custom_vjp output (`loss_vjp.fused_weighted_loss`); a traced scale multiplies after.
     from csa_pallas import ops
     arrays = make_case(4, batch=2, seq=96, heads=4, head_dim=32)
     problem = validation.validate(arrays["q"], arrays["compressed_kv"], target="per_head")

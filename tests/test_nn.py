@@ -381,7 +381,8 @@ def test_nnx_sharded_on_a_mesh_matches_functional(sparse):
     from jax.sharding import Mesh
     import platform_select
     sizes = platform_select.fit_mesh_axes({"data": 2, "tensor": 2}, len(jax.devices()))
-    mesh = Mesh(np.array(jax.devices()[:int(np.prod(list(sizes.values())))]).reshape(tuple(sizes.values())), tuple(sizes))
+    devices = np.array(jax.devices()[:int(np.prod(list(sizes.values())))])
+    mesh = Mesh(devices.reshape(tuple(sizes.values())), tuple(sizes))
     logits, arrays, kw = _inputs(seed=4, sparse=sparse, packed=True)
     cfg = IndexerLossConfig(compress_ratio=M, window_size=W, implementation="pallas", mesh=mesh, batch_axes="data",
                             head_axis="tensor")

@@ -22,7 +22,8 @@ def mesh_of(axes: dict) -> Mesh:
     to fit (`platform_select.fit_mesh_axes`: a v5p-8 runs {"data": 2, "heads": 4} as {"data": 2, "heads": 2})."""
     devices = jax.devices()
     if jax.default_backend() == "cpu" and len(devices) < platform_select.HOST_DEVICES:
-        pytest.fail(f"expected {platform_select.HOST_DEVICES} host devices (conftest sets XLA_FLAGS), got {len(devices)}")
+        pytest.fail(f"expected {platform_select.HOST_DEVICES} host devices (conftest sets XLA_FLAGS), got "
+                    f"{len(devices)}")
     sizes = platform_select.fit_mesh_axes(axes, len(devices))
     return Mesh(np.array(devices[:int(np.prod(list(sizes.values())))]).reshape(tuple(sizes.values())), tuple(sizes))
 
