@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import csa_pallas  # noqa: E402
-from csa_pallas import aot  # noqa: E402
+from csa_pallas import aot, ops_sparse  # noqa: E402
 
 MiB = 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -211,7 +211,8 @@ def print_recorded_estimates() -> None:
     for seq in sorted({r["seq"] for r in sparse}):
         pick = lambda prog, pat: next((r for r in sparse if r["seq"] == seq and r["program"] == prog
                                        and r["pattern"] == pat), None)
-        path = "gather" if (seq // FLASH["ratio"]) * FLASH["heads"] >= 600 * 512 else "visit"  # ops_sparse.choose_path
+        gather = (seq // FLASH["ratio"]) * FLASH["heads"] >= ops_sparse.GATHER_HEAD_BLOCKS_PER_SLOT * 512
+        path = "gather" if gather else "visit"  # the rule of ops_sparse.choose_path
         ours = pick(path, "any" if path == "gather" else "uniform")
         dense_row, xla = pick("dense mode", "all blocks"), pick("xla gather baseline", "any")
         cell = lambda r, key: f"{r[key] / 1e3:,.2f}" if r and np.isfinite(r[key]) else "-"

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from csa_pallas import masks
+from csa_pallas import placement
 from csa_pallas import reference
 from csa_pallas import validation
 from csa_pallas.validation import Problem
@@ -58,7 +59,6 @@ def check_window_layout(segment_ids, positions):
 def _placed(problem: Problem, config, run_sharded):
     """The op's result through `sharding.py` when its inputs live on a multi-device mesh (`placement.resolve`),
     else None. run_sharded(mesh, axes_kwargs) makes the sharded call."""
-    from csa_pallas import placement
     where = placement.resolve(problem.q)
     if where is None:
         return None
@@ -163,7 +163,6 @@ def indexer_distill_loss(
     if empty is not None:
         return empty
     if implementation == "xla":
-        from csa_pallas import placement
         run = lambda pr, logits: reference.indexer_distill_loss(logits, pr, reduction=reduction, scale=scale)
         return placement.on_auto_axes(run, problem, indexer_logits, row_dims=2 if reduction == "none" else 0)
     arguments = locals()
@@ -176,7 +175,6 @@ def indexer_distill_loss(
     placed = _placed(problem, config, run_sharded)
     if placed is not None:
         return placed
-    from csa_pallas import placement
     placement.check_kernels_can_run_here(problem)
     if problem.sparse:
         from csa_pallas import ops_sparse
@@ -219,7 +217,6 @@ def teacher_distribution(
     if not (problem.batch and problem.seq_len and problem.num_blocks):
         return jnp.zeros((problem.batch, problem.seq_len, problem.width), jnp.float32)
     if implementation == "xla":
-        from csa_pallas import placement
         return placement.on_auto_axes(lambda pr: reference.teacher(pr)[0], problem, row_dims=3)
     arguments = locals()
 
@@ -230,7 +227,6 @@ def teacher_distribution(
     placed = _placed(problem, config, run_sharded)
     if placed is not None:
         return placed
-    from csa_pallas import placement
     placement.check_kernels_can_run_here(problem)
     if problem.sparse:
         from csa_pallas import ops_sparse
@@ -265,7 +261,6 @@ def noncompressed_lse(
     if not (problem.batch and problem.seq_len):
         return jnp.zeros((problem.batch, problem.seq_len, problem.num_heads), jnp.float32)
     if implementation == "xla":
-        from csa_pallas import placement
         return placement.on_auto_axes(reference.noncompressed_lse, problem, row_dims=3)
 
     def run_sharded(mesh, axes):
@@ -277,6 +272,6 @@ def noncompressed_lse(
     placed = _placed(problem, None, run_sharded)
     if placed is not None:
         return placed
-    from csa_pallas import ops, placement
+    from csa_pallas import ops
     placement.check_kernels_can_run_here(problem)
     return ops.noncompressed_lse(problem)

@@ -96,10 +96,12 @@ def activation_sharding(batch: AxisNames = None, heads: Optional[str] = None, se
 
 def _mesh_of(x):
     """The mesh an input lives on (its type's mesh while tracing, its committed sharding's mesh eagerly)."""
-    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
-        sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.core.Tracer) else None
+    if isinstance(x, jax.core.Tracer):
+        sharding = getattr(jax.typeof(x), "sharding", None)
+    elif isinstance(x, jax.Array) and getattr(x, "committed", True):
+        sharding = x.sharding
     else:
-        sharding = x.sharding if getattr(x, "committed", True) else None
+        sharding = None
     if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
         return sharding.mesh, sharding
     return None, None
@@ -172,10 +174,9 @@ def resolve(q) -> Optional[Placement]:
             f"the activations are sharded: `with csa_pallas.activation_sharding(batch=..., heads=..., seq=...):` "
             f"around the call (or Flax logical axis rules for {tuple(FLAX_LOGICAL_AXES.values())}, as MaxText sets), "
             f"use a mesh with AxisType.Explicit axes, or call {ENTRY_POINT}")
-    for arg, names in (("batch", declared.batch), ("heads", declared.heads and (declared.heads,)),
-                       ("seq", declared.seq and (declared.seq,))):
-        for name in names or ():
-            if name not in mesh.shape:
+    for arg, names in (("batch", declared.batch), ("heads", (declared.heads,)), ("seq", (declared.seq,))):
+        for name in names:
+            if name is not None and name not in mesh.shape:
                 raise ValueError(f"{source}: {arg} names mesh axis {name!r}, but the mesh's axes are "
                                  f"{tuple(mesh.shape)}")
     return Placement(mesh, declared.batch, declared.heads, declared.seq, source)

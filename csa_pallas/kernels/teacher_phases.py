@@ -392,8 +392,7 @@ class TeacherStep:
             f = self.finish_f() if first else self.f_ref[...]
             self.add_probs(z, self.tile, f[..., :self.lanes])
 
-        not_pass1 = jnp.logical_not(self.in_pass1)
-        self.visit_tile(functools.partial(tile_step, True), cond=not_pass1 & (self.k == 0))
+        self.visit_tile(functools.partial(tile_step, True), cond=jnp.logical_not(self.in_pass1) & (self.k == 0))
         self.visit_tile(functools.partial(tile_step, False), cond=jnp.logical_not(self.in_pass1) & (self.k > 0))
 
     def finish(self):
