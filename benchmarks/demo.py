@@ -19,12 +19,12 @@ against S, log-log).
 from __future__ import annotations
 
 import argparse
-import csv
-import json
+import dataclasses
 import os
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from benchmarks import harness  # noqa: E402  (sets ALLOW_MULTIPLE_LIBTPU_LOAD before jax loads libtpu)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -33,10 +33,8 @@ import numpy as np  # noqa: E402
 import csa_pallas  # noqa: E402
 from csa_pallas import aot, ops_sparse  # noqa: E402
 
-MiB = 1 << 20
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECORDED = os.path.join(REPO, "benchmarks", "recorded")
-FLASH = dict(batch=1, heads=64, head_dim=512, ratio=4, window=128)
+RECORDED = os.path.join(harness.REPO, "benchmarks", "recorded")
+FLASH = harness.FLASH
 SEQS = (4096, 8192, 16384, 32768, 65536, 131072)
 BASELINE_CHUNKS = (1, 8, 64)
 V5P_HBM_MIB = 95 * 1024
@@ -95,10 +93,8 @@ def check_against_reference() -> float:
 # ------------------------------------------------------------------------------------------------ 2. memory
 
 def flash_structs(seq: int):
-    b, h, d, m = FLASH["batch"], FLASH["heads"], FLASH["head_dim"], FLASH["ratio"]
-    n = seq // m
-    return (aot.struct((b, seq, n), jnp.float32), aot.struct((b, seq, h, d), jnp.bfloat16),
-            aot.struct((b, n, d), jnp.bfloat16), aot.struct((b, seq, d), jnp.bfloat16), aot.struct((h,), jnp.float32))
+    return harness.input_structs(FLASH, ["logits", "q", "compressed_kv", "window_kv", "sinks"], seq,
+                                 FLASH.blocks(seq))
 
 
 def programs():
@@ -109,7 +105,7 @@ def programs():
         def pallas(logits, q, kv, w, sinks, target=target):
             kw = dict(window_kv=w, sinks=sinks) if target == "joint" else {}
             return jax.value_and_grad(lambda y: csa_pallas.indexer_distill_loss(
-                y, q, kv, target=target, window_size=FLASH["window"], implementation="pallas", **kw))(logits)
+                y, q, kv, target=target, window_size=FLASH.window, implementation="pallas", **kw))(logits)
         out.append((f"csa_pallas {target}", "pallas", None, pallas))
     for chunk in BASELINE_CHUNKS:
         def baseline(logits, q, kv, w, sinks, chunk=chunk):
@@ -122,27 +118,20 @@ def compile_rows(seqs, topology: str) -> list:
     rows = []
     for seq in seqs:
         for name, kind, chunk, fn in programs():
-            t0 = time.perf_counter()
-            row = dict(seq=seq, program=name, kind=kind, head_chunk=chunk, topology=topology)
-            try:
-                report = aot.compile_memory(fn, *flash_structs(seq), topology=topology)
-                row.update(status="ok", temp_mib=report.temp_bytes / MiB, argument_mib=report.argument_bytes / MiB,
-                           output_mib=report.output_bytes / MiB, peak_mib=report.peak_bytes / MiB)
-            except Exception as e:  # noqa: BLE001 - the compiler's verdict (HBM overflow) is a result
-                first = str(e).strip().splitlines()[0]
-                row.update(status="HBM overflow" if "RESOURCE_EXHAUSTED" in first else "failed", error=first[:200])
-            row["compile_s"] = round(time.perf_counter() - t0, 1)
-            rows.append(row)
+            row = harness.Row(bench="demo", shape=FLASH.name, program=name, mode="dense", impl=kind,
+                              head_chunk=chunk, seq=seq, heads=FLASH.heads, batch=FLASH.batch, ids="default",
+                              pass_="fwd+bwd", measure="aot", how=f"aot {topology} memory_analysis")
+            rows.append(dataclasses.asdict(harness.compile_row(row, fn, flash_structs(seq), topology)))
     return rows
 
 
 def best_baseline(rows, seq):
-    fits = [r for r in rows if r["seq"] == seq and r["kind"] == "xla" and r["status"] == "ok"]
+    fits = [r for r in rows if r["seq"] == seq and r["impl"] == "xla" and r["status"] == "ok"]
     return min(fits, key=lambda r: r["temp_mib"]) if fits else None
 
 
 def print_memory(rows, seqs, topology):
-    shape = "B={batch} H={heads} D={head_dim} m={ratio} W={window}".format(**FLASH)
+    shape = f"B={FLASH.batch} H={FLASH.heads} D={FLASH.head_dim} m={FLASH.ratio} W={FLASH.window}"
     print(f"2) Memory: forward+backward at the DeepSeek-V4-Flash shape ({shape}, one document), compiled for one "
           f"v5p chip ({topology}) on this host;\n   temp HBM in MiB from compiled.memory_analysis() (exact for the "
           f"compiled program). XLA baseline: MaxText-style, best of head chunks {BASELINE_CHUNKS}.")
@@ -182,41 +171,32 @@ def plot_memory(rows, seqs, path: str) -> None:
     plt.close(fig)
 
 
-def write_rows(rows, out: str) -> None:
-    with open(os.path.join(out, "memory.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    fields = sorted({k for r in rows for k in r})
-    with open(os.path.join(out, "memory.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 # ------------------------------------------------------------------------------------------------ 3. estimates
 
 def print_recorded_estimates() -> None:
-    with open(os.path.join(RECORDED, "dense.json")) as f:
-        dense = json.load(f)
-    with open(os.path.join(RECORDED, "sparse.json")) as f:
-        sparse = [r for r in json.load(f) if r["width"] == 512 and r["heads"] == 64]
+    dense = [r for r in harness.read_rows(os.path.join(RECORDED, "dense.json")) if r.pass_ == "fwd+bwd"]
+    sparse = [r for r in harness.read_rows(os.path.join(RECORDED, "sparse.json")) if r.width == FLASH.topk
+              and r.heads == FLASH.heads]
     print("3) Speed: static v5p estimates on record (tpu_estimate BEST ESTIMATE of the compiled bundles; estimates, "
           "not TPU timings; see the README for the commands)")
-    for r in dense["rows"]:
-        print(f"   dense mode, S={r['seq']:,}, fwd+bwd: {r['program']:<38} {r['est_us']:>9,.1f} us")
-    base = next(r["est_us"] for r in dense["rows"] if r["program"].startswith("XLA"))
-    ours = next(r["est_us"] for r in dense["rows"] if r["program"] == "csa_pallas per_head")
-    print(f"   -> {base / ours:.2f}x the XLA baseline's best head chunk")
+    ours = {r.program: r for r in dense if r.impl != "xla" and r.ids == "default" and "full_lse" not in r.program}
+    base = min((r for r in dense if "xla baseline" in r.program), key=lambda r: r.est_us)
+    for r in list(ours.values()) + [base]:
+        name = r.program.replace("fwd+bwd ", "") + (" (its best)" if r is base else "")
+        print(f"   dense mode, S={r.seq:,}, fwd+bwd: {name:<44} {r.est_us:>9,.1f} us")
+    per_head = next(r for r in ours.values() if r.program.endswith("per_head"))
+    print(f"   -> {base.est_us / per_head.est_us:.2f}x the XLA baseline's best head chunk")
     print(f"   sparse top-K=512, fwd+bwd per_head, uniform selection (ms): {'S':>8} {'csa_pallas':>11} "
           f"{'dense mode':>11} {'XLA gather baseline':>20}")
-    for seq in sorted({r["seq"] for r in sparse}):
-        pick = lambda prog, pat: next((r for r in sparse if r["seq"] == seq and r["program"] == prog
-                                       and r["pattern"] == pat), None)
-        gather = (seq // FLASH["ratio"]) * FLASH["heads"] >= ops_sparse.GATHER_HEAD_BLOCKS_PER_SLOT * 512
+    for seq in sorted({r.seq for r in sparse}):
+        pick = lambda prog, pat: next((r for r in sparse if r.seq == seq and r.program == prog
+                                       and r.pattern == pat), None)
+        gather = FLASH.blocks(seq) * FLASH.heads >= ops_sparse.GATHER_HEAD_BLOCKS_PER_SLOT * FLASH.topk
         path = "gather" if gather else "visit"  # the rule of ops_sparse.choose_path
-        ours = pick(path, "any" if path == "gather" else "uniform")
+        mine = pick(path, "any" if path == "gather" else "uniform")
         dense_row, xla = pick("dense mode", "all blocks"), pick("xla gather baseline", "any")
-        cell = lambda r, key: f"{r[key] / 1e3:,.2f}" if r and np.isfinite(r[key]) else "-"
-        print(f"   {'':<58} {seq:>8,} {cell(ours, 'best_us'):>11} {cell(dense_row, 'best_us'):>11} "
+        cell = lambda r, key: f"{getattr(r, key) / 1e3:,.2f}" if r and getattr(r, key) is not None else "-"
+        print(f"   {'':<58} {seq:>8,} {cell(mine, 'best_us'):>11} {cell(dense_row, 'best_us'):>11} "
               f"{cell(xla, 'est_us'):>20}")
     print()
 
@@ -226,7 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, nargs="+", default=list(SEQS), help="sequence lengths for the v5p table")
     parser.add_argument("--quick", action="store_true", help="S = 4096 only")
     parser.add_argument("--topology", default=aot.DEFAULT_TOPOLOGY)
-    parser.add_argument("--out", default=os.path.join(REPO, "results", "demo"))
+    parser.add_argument("--out", default=os.path.join(harness.REPO, "results", "demo"))
     args = parser.parse_args(argv)
     seqs = [4096] if args.quick else args.seq
     worst = check_against_reference()
@@ -235,8 +215,7 @@ def main(argv=None) -> int:
         return 0 if worst < 1e-5 else 1
     rows = compile_rows(seqs, args.topology)
     print_memory(rows, seqs, args.topology)
-    os.makedirs(args.out, exist_ok=True)
-    write_rows(rows, args.out)
+    harness.write_rows(rows, args.out, "memory", dict(topology=args.topology))
     plot_memory(rows, seqs, os.path.join(args.out, "memory.png"))
     print_recorded_estimates()
     print(f"Every compiled row: {os.path.join(args.out, 'memory.csv')} (.json); plot: "

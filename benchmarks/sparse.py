@@ -30,9 +30,7 @@ What each row measures, and how (no TPU: nothing here is a wall-clock measuremen
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -40,66 +38,50 @@ import time
 
 import numpy as np
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+from benchmarks import harness  # noqa: E402  (sets ALLOW_MULTIPLE_LIBTPU_LOAD before jax loads libtpu)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.dense_memory import load_tpu_estimate  # noqa: E402  (one estimator loader for the benchmarks)
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MiB = 1 << 20
-B, D, M, W = 1, 512, 4, 128
-PEAK_FLOPS, HBM_BW = 459e12, 2.46e12
 PATTERNS = ("uniform", "local_heavy", "banded")
-# Previous sparse kernel (K compares per (query, block)), fwd+bwd per_head, the sparse issue's table (estimates).
-PREVIOUS_US = {(4096, 512): 668.0, (32768, 512): 172436.0}
 
 
-def heads_for(width: int) -> int:
-    return 128 if width >= 1024 else 64  # V4-Pro widths with K = 1024, V4-Flash otherwise
+def shape_for(width: int) -> harness.Shape:
+    """V4-Pro widths (H = 128) with K = 1024, V4-Flash (H = 64) otherwise."""
+    return harness.SHAPES["deepseek-v4-pro" if width >= 1024 else "deepseek-v4-flash"]
 
 
 def mxu_floor_us(seq: int, width: int) -> float:
     """The K-proportional MXU floor: 2 B H D x (selectable slots, summed over queries) / peak, where query t can
     select min(K, visible blocks) slots (the scores of the selected slots and nothing else)."""
-    slots = np.minimum(width, (np.arange(seq) + 1) // M).sum()
-    return 2 * B * heads_for(width) * D * float(slots) / PEAK_FLOPS * 1e6
+    sh = shape_for(width)
+    slots = np.minimum(width, (np.arange(seq) + 1) // sh.ratio).sum()
+    return 2 * sh.batch * sh.heads * sh.head_dim * float(slots) / harness.V5P_PEAK_FLOPS * 1e6
 
 
 def structs(seq: int, width: int):
-    h, n = heads_for(width), seq // M
-    s = jax.ShapeDtypeStruct
-    return (s((B, seq, width), jnp.float32), s((B, seq, h, D), jnp.bfloat16), s((B, n, D), jnp.bfloat16),
-            s((B, seq, width), jnp.int32))
+    return harness.input_structs(shape_for(width), ["logits", "q", "compressed_kv", "topk_indices"], seq, width)
 
 
 def loss_program(path: str):
-    """fwd+bwd of the per_head loss through the given sparse path, Mosaic kernels (not the interpreter)."""
+    """fwd+bwd of the per_head loss through the given sparse path."""
     import csa_pallas
-    from csa_pallas.kernels import runtime
 
     def fn(logits, q, kv, topk):
-        with runtime.compiling_for_tpu():
-            return jax.value_and_grad(lambda x: csa_pallas.indexer_distill_loss(
-                x, q, kv, topk_indices=topk, target="per_head", implementation="pallas",
-                config={"path": path}))(logits)
+        return jax.value_and_grad(lambda x: csa_pallas.indexer_distill_loss(
+            x, q, kv, topk_indices=topk, target="per_head", implementation="pallas", config={"path": path}))(logits)
     return fn
 
 
 def dense_program(logits, q, kv):
-    """fwd+bwd of dense mode (every visible block, no top-k; logits [B, S, N]) on the same shape: the cost sparse
-    mode must not exceed."""
+    """fwd+bwd of dense mode (every visible block; logits [B, S, N]) on the same shape: the bar sparse mode must
+    not exceed."""
     import csa_pallas
-    from csa_pallas.kernels import runtime
-    with runtime.compiling_for_tpu():
-        return jax.value_and_grad(lambda x: csa_pallas.indexer_distill_loss(
-            x, q, kv, target="per_head", implementation="pallas"))(logits)
+    return jax.value_and_grad(lambda x: csa_pallas.indexer_distill_loss(
+        x, q, kv, target="per_head", implementation="pallas"))(logits)
 
 
 def dense_structs(seq: int, width: int):
-    _, q, kv, _ = structs(seq, width)
-    return (jax.ShapeDtypeStruct((B, seq, seq // M), jnp.float32), q, kv)
+    return harness.input_structs(shape_for(width), ["logits", "q", "compressed_kv"], seq, seq // shape_for(width).ratio)
 
 
 def baseline_program(logits, q, kv, topk):
@@ -109,6 +91,7 @@ def baseline_program(logits, q, kv, topk):
 
 def layout_for(seq: int, width: int, path: str):
     """The sparse layout the loss program uses (traced abstractly: no arrays)."""
+    import jax.numpy as jnp
     from csa_pallas import ops_sparse
     return ops_sparse.abstract_layout(*structs(seq, width)[1:], {"path": path}, kl_logits_dtype=jnp.float32)
 
@@ -119,7 +102,7 @@ def pattern_indices(pattern: str, seq: int, width: int, seed: int = 0) -> np.nda
     sees fewer than the pattern needs."""
     rng = np.random.default_rng(seed)
     t = np.arange(seq)[:, None]
-    visible = (t + 1) // M  # blocks 0 .. visible - 1
+    visible = (t + 1) // shape_for(width).ratio  # blocks 0 .. visible - 1
     if pattern == "uniform":
         idx = (rng.random((seq, width)) * visible).astype(np.int64)
     elif pattern == "local_heavy":
@@ -131,7 +114,7 @@ def pattern_indices(pattern: str, seq: int, width: int, seed: int = 0) -> np.nda
     return np.where((idx < 0) | (visible == 0), -1, idx).astype(np.int32)
 
 
-def active_fraction(idx: np.ndarray, block_q: int, block_k: int) -> float:
+def active_fraction(idx: np.ndarray, block_q: int, block_k: int, ratio: int = 4) -> float:
     """Active (query tile, kv tile) pairs / causally visible ones at the visit path's tiling."""
     seq = idx.shape[0]
     nq = -(-seq // block_q)
@@ -139,7 +122,7 @@ def active_fraction(idx: np.ndarray, block_q: int, block_k: int) -> float:
     flat = idx.reshape(-1)
     keep = flat >= 0
     pairs = np.unique(qi[keep].astype(np.int64) * (1 << 20) + flat[keep] // block_k).size
-    causal = sum((min((i * block_q + block_q) // M, seq // M) - 1) // block_k + 1 for i in range(nq))
+    causal = sum((min((i * block_q + block_q) // ratio, seq // ratio) - 1) // block_k + 1 for i in range(nq))
     return pairs / max(causal, 1)
 
 
@@ -149,157 +132,126 @@ def dma_count(seq: int, width: int, path: str, layout) -> int:
     the q block and, per query tile, 2 slot-index blocks, the bits, the logits, the statistics and G."""
     cfg = layout.cfg
     if path == "gather":
-        steps = seq // cfg.block_q
-        return 6 * steps + 2
+        return 6 * (seq // cfg.block_q) + 2
     s = layout.schedule
-    chunks = heads_for(width) // cfg.head_chunk
+    chunks = shape_for(width).heads // cfg.head_chunk
     tiles = sum(s.static_count(i) for i in range(s.nq))
     return tiles * chunks * (1 if cfg.cache_scores else 2) + s.nq * (chunks + 6)
 
 
-@dataclasses.dataclass
-class Row:
-    seq: int
-    width: int
-    heads: int
-    program: str
-    pattern: str = "-"
-    est_us: float = float("nan")
-    derived_us: float = float("nan")
-    hbm_bytes: float = float("nan")
-    bw_floor_us: float = float("nan")
-    best_us: float = float("nan")
-    dmas: int = 0
-    floor_us: float = float("nan")
-    temp_mib: float = float("nan")
-    peak_mib: float = float("nan")
-    note: str = ""
+def new_row(seq: int, width: int, program: str, pattern: str = "") -> harness.Row:
+    sh = shape_for(width)
+    return harness.Row(bench="sparse", shape=sh.name, program=program, mode="sparse", target="per_head",
+                       impl="pallas", seq=seq, width=width, heads=sh.heads, batch=sh.batch, ids="default",
+                       pattern=pattern, pass_="fwd+bwd", floor_us=mxu_floor_us(seq, width),
+                       package_fingerprint=harness.package_fingerprint())
 
 
-def estimate(te, fn, args, label: str, **switches):
+def estimate(te, fn, args, row: harness.Row, **switches) -> harness.Row:
+    """harness.estimate with the visit path's benchmark switches (`kernels.selection`) set while it compiles."""
     from csa_pallas.kernels import selection
     selection._ESTIMATE_TILES = switches.get("tiles")
     selection._EXACT_COUNTS_BRANCH = switches.get("exact", True)
     try:
-        rep = te.estimate(fn, *args, libtpu_profile="off", timeout=3600, path_budget=2_000_000_000,
-                          name=label.replace(" ", "_"))
+        return harness.estimate(row, fn, args, estimator=te, path_budget=2_000_000_000)
     finally:
         selection._ESTIMATE_TILES, selection._EXACT_COUNTS_BRANCH = None, True
-    s, m = rep["summary"], rep["memory"]
-    warn = [w for w in rep.get("warnings", []) if "NOT determined" in w or "budget" in w or "NO bundle" in w]
-    return dict(us=s.get("best_estimate_us"), bundle=s.get("bundle_est_us"), lower=s.get("bundle_est_lower_bound_us"),
-                bytes=(rep.get("roofline") or {}).get("bytes"),
-                temp=(m.get("temp_bytes") or 0) / MiB, peak=(m.get("peak_bytes") or 0) / MiB, warnings=warn)
+
+
+def visit_rows(te, seq: int, width: int, layout) -> list:
+    """The visit path compiled with every causally visible tile selected ('all') and none ('none'); each pattern's
+    derived estimate none + (all - none) x active fraction ('none' by its bundle estimate: BEST ESTIMATE would
+    clamp it to the declared flops / peak)."""
+    args = structs(seq, width)
+    full = estimate(te, loss_program("visit"), args, new_row(seq, width, "visit"), tiles="all", exact=False)
+    none = estimate(te, loss_program("visit"), args, new_row(seq, width, "visit"), tiles="none", exact=False)
+    out = []
+    for pattern in PATTERNS:
+        frac = active_fraction(pattern_indices(pattern, seq, width), layout.cfg.block_q, layout.cfg.block_k)
+        row = dataclasses.replace(full, pattern=pattern)
+        if full.est_us is not None and none.bundle_us is not None:
+            row.derived_us = none.bundle_us + (full.est_us - none.bundle_us) * frac
+            row.best_us = max(row.derived_us, row.bw_floor_us or 0.0)
+        row.note = f"active tiles {frac:.3f}; none {none.bundle_us or float('nan'):.0f} us; {full.note}"[:300]
+        out.append(row)
+    return out
 
 
 def run(seqs, widths, baseline: bool, out_dir: str, dense: bool = False, paths=("visit", "gather"), rows=None):
-    te = load_tpu_estimate()
+    te = harness.load_tpu_estimate()
     rows = [] if rows is None else rows
     for width in widths:
         for seq in seqs:
-            h = heads_for(width)
-            floor = mxu_floor_us(seq, width)
-            args = structs(seq, width)
             for path in paths:
                 try:
                     layout = layout_for(seq, width, path)
                 except ValueError as e:  # e.g. the gather path's resident rows do not fit in VMEM
-                    rows.append(Row(seq, width, h, path, note=f"not run: {e}"))
+                    rows.append(dataclasses.replace(new_row(seq, width, path), status="not run", note=str(e)[:300]))
                     continue
                 t0 = time.time()
-                runs = {"all": dict(tiles="all", exact=False), "none": dict(tiles="none", exact=False)} \
-                    if path == "visit" else {"": {}}
-                res = {k: estimate(te, loss_program(path), args, f"{path}_{k}_{seq}_{width}", **sw)
-                       for k, sw in runs.items()}
-                main = res.get("all", res.get(""))
-                dmas = dma_count(seq, width, path, layout)
-                bw = (main["bytes"] or float("nan")) / HBM_BW * 1e6
-                note = "; ".join(main["warnings"])[:200]
                 if path == "gather":
-                    us = main["us"] or float("nan")
-                    rows.append(Row(seq, width, h, "gather", "any", us, us, main["bytes"] or float("nan"), bw,
-                                    max(us, bw), dmas, floor, main["temp"], main["peak"], note))
+                    row = estimate(te, loss_program(path), structs(seq, width), new_row(seq, width, path, "any"))
+                    row.derived_us = row.est_us
+                    new = [row]
                 else:
-                    for pattern in PATTERNS:
-                        frac = active_fraction(pattern_indices(pattern, seq, width), layout.cfg.block_q,
-                                               layout.cfg.block_k)
-                        # "none" by its bundle estimate: BEST ESTIMATE clamps it to the declared flops / peak
-                        none = res["none"]["bundle"]
-                        derived = none + (res["all"]["us"] - none) * frac
-                        rows.append(Row(seq, width, h, "visit", pattern, main["us"], derived, main["bytes"], bw,
-                                        max(derived, bw), dmas, floor, main["temp"], main["peak"],
-                                        f"active tiles {frac:.3f}; none {none:.0f} us; {note}"))
+                    new = visit_rows(te, seq, width, layout)
+                for row in new:
+                    row.dmas = dma_count(seq, width, path, layout)
+                rows += new
                 print(f"  [{path} S={seq} K={width}: {time.time() - t0:.0f} s]", file=sys.stderr, flush=True)
                 write(rows, out_dir)
             if dense:
-                res = estimate(te, dense_program, dense_structs(seq, width), f"dense_{seq}_{width}")
-                rows.append(Row(seq, width, h, "dense mode", "all blocks", res["us"], res["us"], res["bytes"],
-                                (res["bytes"] or float("nan")) / HBM_BW * 1e6, res["us"], floor_us=floor,
-                                temp_mib=res["temp"], peak_mib=res["peak"], note="; ".join(res["warnings"])[:200]))
+                row = estimate(te, dense_program, dense_structs(seq, width), new_row(seq, width, "dense mode",
+                                                                                        "all blocks"))
+                rows.append(dataclasses.replace(row, mode="dense", derived_us=row.est_us))
                 write(rows, out_dir)
             if baseline:
-                res = estimate(te, baseline_program, args, f"baseline_{seq}_{width}")
-                rows.append(Row(seq, width, h, "xla gather baseline", "any", res["us"] or float("nan"),
-                                note=f"lower bound {res['lower']} us" if res["us"] is None else "",
-                                temp_mib=res["temp"], peak_mib=res["peak"], floor_us=floor))
+                rows.append(estimate(te, baseline_program, structs(seq, width),
+                                     dataclasses.replace(new_row(seq, width, "xla gather baseline", "any"), impl="xla")))
                 write(rows, out_dir)
     return rows
 
 
-def fmt(x, nd=0):
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{nd}f}"
+COLUMNS = [("seq", "S", "i"), ("width", "K", "i"), ("heads", "H", "i"), ("program", "program", "s"),
+           ("pattern", "pattern", "s"), ("est_us", "est us", "f0"), ("derived_us", "derived us", "f0"),
+           ("bw_floor_us", "bw floor", "f0"), ("best_us", "best us", "f0"), ("floor_us", "MXU floor", "f0"),
+           ("dmas", "DMAs", "i"), ("temp_mib", "temp MiB", "f1"), ("note", "note", "s")]
 
 
 def table(rows) -> str:
-    head = (f"{'S':>7} {'K':>5} {'H':>4} {'program':<20} {'pattern':<12} {'est us':>10} {'derived us':>11} "
-            f"{'bw floor':>9} {'best us':>10} {'MXU floor':>10} {'DMAs':>8} {'temp MiB':>9}  note")
-    lines = [head]
-    for r in rows:
-        lines.append(f"{r.seq:>7} {r.width:>5} {r.heads:>4} {r.program:<20} {r.pattern:<12} {fmt(r.est_us):>10} "
-                     f"{fmt(r.derived_us):>11} {fmt(r.bw_floor_us):>9} {fmt(r.best_us):>10} {fmt(r.floor_us):>10} "
-                     f"{r.dmas:>8} {fmt(r.temp_mib, 1):>9}  {r.note[:90]}")
-    return "\n".join(lines)
+    return harness.format_table([dict(dataclasses.asdict(r), note=r.note[:90]) for r in rows], COLUMNS)
 
 
 def write(rows, out_dir):
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "sparse.json"), "w") as f:
-        json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
-    with open(os.path.join(out_dir, "sparse.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[x.name for x in dataclasses.fields(Row)])
-        w.writeheader()
-        for r in rows:
-            w.writerow(dataclasses.asdict(r))
+    harness.write_rows(rows, out_dir, "sparse", dict(
+        what="sparse loss, fwd+bwd per_head, static v5p estimates (tpu_estimate BEST ESTIMATE; not measurements)"))
 
 
 def plot(rows, out_dir) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len({r.width for r in rows}), figsize=(12, 4.5), squeeze=False)
-    for ax, width in zip(axes[0], sorted({r.width for r in rows})):
+    widths = sorted({r.width for r in rows})
+    fig, axes = plt.subplots(1, len(widths), figsize=(12, 4.5), squeeze=False)
+    for ax, width in zip(axes[0], widths):
         def series(pred, key):
-            pts = sorted((r.seq, getattr(r, key)) for r in rows if r.width == width and pred(r))
-            return [p[0] for p in pts if not math.isnan(p[1])], [p[1] / 1e3 for p in pts if not math.isnan(p[1])]
+            pts = sorted((r.seq, getattr(r, key)) for r in rows if r.width == width and pred(r)
+                         and getattr(r, key) is not None)
+            return [p[0] for p in pts], [p[1] / 1e3 for p in pts]
         for pattern, style in zip(PATTERNS, ("-", "--", ":")):
             ax.plot(*series(lambda r: r.program == "visit" and r.pattern == pattern, "derived_us"), "o" + style,
                     color="C0", label=f"visit path, {pattern}")
         ax.plot(*series(lambda r: r.program == "gather", "est_us"), "s-", color="C1", label="gather path (any)")
         ax.plot(*series(lambda r: r.program == "gather", "floor_us"), "k:", label="K-proportional MXU floor")
-        dense = series(lambda r: r.program == "dense mode", "est_us")
-        if dense[0]:
-            ax.plot(*dense, "d--", color="C2", label="dense mode (all blocks)")
-        base = series(lambda r: r.program.startswith("xla"), "est_us")
-        if base[0]:
-            ax.plot(*base, "^-", color="C3", label="XLA gather baseline")
-        prev = sorted((s, us / 1e3) for (s, k), us in PREVIOUS_US.items() if k == width)
-        if prev:
-            ax.plot(*zip(*prev), "x", color="C7", markersize=9, label="previous sparse kernel")
+        for prog, style, color, label in [("dense mode", "d--", "C2", "dense mode (all blocks)"),
+                                          ("xla gather baseline", "^-", "C3", "XLA gather baseline")]:
+            pts = series(lambda r: r.program == prog, "est_us")
+            if pts[0]:
+                ax.plot(*pts, style, color=color, label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("sequence length S")
-        ax.set_ylabel("fwd+bwd, ms (static v5p estimate)")
-        ax.set_title(f"K = {width}, H = {heads_for(width)}")
+        ax.set(xlabel="sequence length S", ylabel="fwd+bwd, ms (static v5p estimate)",
+               title=f"K = {width}, H = {shape_for(width).heads}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("Sparse indexer loss, per_head, static v5p estimates (tpu_estimate; not measurements)")
@@ -315,23 +267,20 @@ def main(argv=None):
     parser.add_argument("--width", type=int, nargs="*", default=[512])
     parser.add_argument("--baseline", action="store_true", help="also the XLA gather baseline (lower bounds)")
     parser.add_argument("--dense", action="store_true", help="also dense mode on the same shape (per_head)")
-    parser.add_argument("--out", default=os.path.join(REPO, "results", "sparse"))
+    parser.add_argument("--out", default=os.path.join(harness.REPO, "results", "sparse"))
     parser.add_argument("--paths", nargs="*", default=["visit", "gather"], choices=["visit", "gather"],
                         help="sparse paths to estimate (none: only --dense / --baseline rows)")
     parser.add_argument("--append", action="store_true", help="add the new rows to the saved JSON in --out")
     parser.add_argument("--replot", action="store_true", help="re-print and re-plot the saved JSON")
     args = parser.parse_args(argv)
+    saved = os.path.join(args.out, "sparse.json")
     if args.replot:
-        with open(os.path.join(args.out, "sparse.json")) as f:
-            rows = [Row(**r) for r in json.load(f)]
-        for r in rows:
+        rows = harness.read_rows(saved)
+        for r in rows:  # the floor's definition may be newer than the record
             r.floor_us = mxu_floor_us(r.seq, r.width)
     else:
-        saved = []
-        if args.append:
-            with open(os.path.join(args.out, "sparse.json")) as f:
-                saved = [Row(**r) for r in json.load(f)]
-        rows = run(args.seq, args.width, args.baseline, args.out, args.dense, args.paths, saved)
+        rows = run(args.seq, args.width, args.baseline, args.out, args.dense, args.paths,
+                   harness.read_rows(saved) if args.append else [])
         latest = {(r.seq, r.width, r.program, r.pattern): r for r in rows}  # a re-measured row replaces the saved one
         rows = sorted(latest.values(), key=lambda r: (r.width, r.seq))
         write(rows, args.out)

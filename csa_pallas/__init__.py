@@ -4,6 +4,10 @@ Public API (SPEC.md is the math contract):
   indexer_distill_loss(indexer_logits, q, compressed_kv, ...)  -> loss (custom_vjp; gradient only to the logits)
   teacher_distribution(q, compressed_kv, ...)                   -> P, f32 [B, S, N] or [B, S, K]
   noncompressed_lse(q, window_kv, ...)                          -> u, f32 [B, S, H]
+  fused_indexer_distill_loss(index_q, index_k, index_weights, q, compressed_kv, ...)
+                                                                -> the loss with the student given by the indexer's
+                                                                   inputs (SPEC §8; gradients to all three)
+  indexer_scores(index_q, index_k, index_weights, ...)          -> I, f32 [B, S, N] or [B, S, K], -inf outside V(t)
   sharded_indexer_distill_loss(mesh, indexer_logits, q, ..., batch_axes=, head_axis=, seq_axis=)
   sharded_teacher_distribution(mesh, q, compressed_kv, ...)     -> the same under shard_map (csa_pallas.sharding)
   check_window_layout(segment_ids, positions)                   -> opt-in checkify check of the window kernel's layout
@@ -13,10 +17,12 @@ Public API (SPEC.md is the math contract):
 The plain ops run sharded by themselves when their inputs live on a multi-device mesh (`csa_pallas.placement`).
 """
 
-from csa_pallas.api import check_window_layout, indexer_distill_loss, noncompressed_lse, teacher_distribution
+from csa_pallas.api import (check_window_layout, fused_indexer_distill_loss, indexer_distill_loss, indexer_scores,
+                            noncompressed_lse, teacher_distribution)
 from csa_pallas.placement import activation_sharding
 from csa_pallas.sharding import sharded_indexer_distill_loss, sharded_teacher_distribution
 
-__all__ = ["indexer_distill_loss", "teacher_distribution", "noncompressed_lse", "sharded_indexer_distill_loss",
+__all__ = ["indexer_distill_loss", "teacher_distribution", "noncompressed_lse", "fused_indexer_distill_loss",
+           "indexer_scores", "sharded_indexer_distill_loss",
            "sharded_teacher_distribution", "check_window_layout", "activation_sharding"]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ layout, `csa_pallas.sharding` runs the kernels under shard_map); one device or n
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from csa_pallas import masks
 from csa_pallas import placement
 from csa_pallas import reference
+from csa_pallas import teacher_args
 from csa_pallas import validation
 from csa_pallas.validation import Problem
 
@@ -86,40 +88,15 @@ def choose_implementation(problem: Problem) -> str:
     return "xla" if reason is not None else "pallas"
 
 
-# Keyword arguments of `validation.validate` (the teacher side shared by both public ops).
-_TEACHER_ARGS = ("topk_indices", "window_kv", "sinks", "noncompressed_lse", "full_lse", "segment_ids", "positions",
-                 "kv_segment_ids", "kv_positions", "loss_mask", "compress_ratio", "window_size", "softmax_scale",
-                 "target", "head_chunk", "implementation")
-
-
-def _problem(q, compressed_kv, arguments: dict) -> Problem:
-    """Validates the teacher-side arguments, picked by name from a public op's `locals()`."""
-    return validation.validate(q, compressed_kv, **{name: arguments[name] for name in _TEACHER_ARGS})
-
-
+@teacher_args.takes_teacher_args
 def indexer_distill_loss(
     indexer_logits: jax.Array,
     q: jax.Array,
     compressed_kv: jax.Array,
     *,
-    topk_indices=None,
-    window_kv=None,
-    sinks=None,
-    noncompressed_lse=None,
-    full_lse=None,
-    segment_ids=None,
-    positions=None,
-    kv_segment_ids=None,
-    kv_positions=None,
-    loss_mask=None,
-    compress_ratio: int = 4,
-    window_size: int = 128,
-    softmax_scale: Optional[float] = None,
-    target: str = "joint",
+    teacher: dict,
     reduction: str = "mean",
     scale=1.0,
-    head_chunk: Optional[int] = None,
-    implementation: Optional[str] = None,
     config=None,
 ) -> jax.Array:
     """DeepSeek-V4 CSA lightning-indexer distillation loss KL(P || softmax_V(I)) (SPEC §3-§5).
@@ -129,29 +106,17 @@ def indexer_distill_loss(
         `topk_indices`). The only differentiable input.
       q: attention queries after RoPE, float [B, S, H, D] (bf16 or f32). Teacher side, gets zero gradient.
       compressed_kv: the CSA compressed KV blocks, float [B, N, D] with N = S_kv // compress_ratio.
-      topk_indices: int [B, S, K] selected blocks (-1 = empty slot); switches to sparse mode.
-      window_kv: float [B, S_kv, D] keys of the sliding-window branch (joint target).
-      sinks: float [H] per-head sink logits (joint target, with window_kv).
-      noncompressed_lse: f32 [B, S, H], u of SPEC §3 when the caller has it (instead of window_kv/sinks).
-      full_lse: f32 [B, S, H], the layer's full log-partition F; skips the teacher's LSE pass.
-      segment_ids, positions: int [B, S] packing (default one document, positions 0..S-1).
-      kv_segment_ids, kv_positions: int [B, S_kv] key side (default: the query side's).
-      loss_mask: bool [B, S], False = the row takes no part in the loss (padding: MaxText's segment id 0); it is
-        an empty row (0, not counted by "mean", zero gradient, nothing it reads matters).
-      compress_ratio: m, tokens per compressed block. window_size: W, sliding window keys incl. the query.
-      softmax_scale: tau (default D**-0.5). target: "joint" (layer's joint softmax) or "per_head".
+      {teacher_args}
       reduction: "mean" (over non-empty rows), "mean_all" (over B*S), "sum" or "none" ([B, S] rows).
       scale: loss coefficient multiplying the result. A static 0 (Python/NumPy number) returns exact zeros (and
         zero gradients) without computing anything.
-      head_chunk: heads per VMEM tile (any divisor of H; default from the kernel config).
-      implementation: None, "xla" or "pallas" (module docstring).
       config: the teacher kernel's variant (`csa_pallas.kernels.teacher_config.TeacherConfig`, or a dict of its fields
         overriding the heuristics, e.g. {"walk": "plain", "cache_scores": False}); Pallas path only.
 
     Returns:
       f32 scalar, or f32 [B, S] for reduction="none".
     """
-    problem = _problem(q, compressed_kv, locals())
+    problem = validation.validate(q, compressed_kv, **teacher)
     validation.validate_logits(indexer_logits, problem)
     validation.check_reduction_args(reduction, scale)
     implementation = choose_implementation(problem)
@@ -165,13 +130,11 @@ def indexer_distill_loss(
     if implementation == "xla":
         run = lambda pr, logits: reference.indexer_distill_loss(logits, pr, reduction=reduction, scale=scale)
         return placement.on_auto_axes(run, problem, indexer_logits, row_dims=2 if reduction == "none" else 0)
-    arguments = locals()
 
     def run_sharded(mesh, axes):
         from csa_pallas import sharding
-        return sharding.sharded_indexer_distill_loss(
-            mesh, indexer_logits, q, compressed_kv, **axes, reduction=reduction, scale=scale,
-            **{name: arguments[name] for name in _TEACHER_ARGS})
+        return sharding.sharded_indexer_distill_loss(mesh, indexer_logits, q, compressed_kv, **axes, **teacher,
+                                                     reduction=reduction, scale=scale)
     placed = _placed(problem, config, run_sharded)
     if placed is not None:
         return placed
@@ -184,26 +147,12 @@ def indexer_distill_loss(
     return ops.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale, cfg=config)
 
 
+@teacher_args.takes_teacher_args
 def teacher_distribution(
     q: jax.Array,
     compressed_kv: jax.Array,
     *,
-    topk_indices=None,
-    window_kv=None,
-    sinks=None,
-    noncompressed_lse=None,
-    full_lse=None,
-    segment_ids=None,
-    positions=None,
-    kv_segment_ids=None,
-    kv_positions=None,
-    loss_mask=None,
-    compress_ratio: int = 4,
-    window_size: int = 128,
-    softmax_scale: Optional[float] = None,
-    target: str = "joint",
-    head_chunk: Optional[int] = None,
-    implementation: Optional[str] = None,
+    teacher: dict,
     config=None,
 ) -> jax.Array:
     """The detached target P of SPEC §3: f32 [B, S, N] (dense) or [B, S, K] (sparse, slot order).
@@ -211,19 +160,17 @@ def teacher_distribution(
     Same teacher-side arguments as `indexer_distill_loss`. Entries outside V(t) and empty rows are 0; a row that
     reads a non-finite input is NaN (SPEC §3).
     """
-    problem = _problem(q, compressed_kv, locals())
+    problem = validation.validate(q, compressed_kv, **teacher)
     implementation = choose_implementation(problem)
     check_config(config, implementation)
     if not (problem.batch and problem.seq_len and problem.num_blocks):
         return jnp.zeros((problem.batch, problem.seq_len, problem.width), jnp.float32)
     if implementation == "xla":
         return placement.on_auto_axes(lambda pr: reference.teacher(pr)[0], problem, row_dims=3)
-    arguments = locals()
 
     def run_sharded(mesh, axes):
         from csa_pallas import sharding
-        return sharding.sharded_teacher_distribution(mesh, q, compressed_kv, **axes,
-                                                     **{name: arguments[name] for name in _TEACHER_ARGS})
+        return sharding.sharded_teacher_distribution(mesh, q, compressed_kv, **axes, **teacher)
     placed = _placed(problem, config, run_sharded)
     if placed is not None:
         return placed
@@ -275,3 +222,126 @@ def noncompressed_lse(
     from csa_pallas import ops
     placement.check_kernels_can_run_here(problem)
     return ops.noncompressed_lse(problem)
+
+
+def _student_problem(index_q, index_k, **kwargs):
+    """V(t) of the indexer's tensors: `validation.validate` on placeholders with their shapes, its messages naming
+    the indexer's arguments."""
+    b, s, _, d_i = index_q.shape
+    q = jax.ShapeDtypeStruct((b, s, 1, d_i), jnp.float32)  # one head: no layout guess about the indexer's heads
+    kv = jax.ShapeDtypeStruct((b, index_k.shape[1], d_i), jnp.float32)
+    try:
+        return validation.validate(q, kv, target="per_head", **kwargs)
+    except ValueError as e:
+        message = str(e)
+        for ours, theirs in (("index_q", "q"), ("index_k", "compressed_kv")):
+            if message.startswith(theirs + ":"):
+                raise ValueError(ours + message[len(theirs):]) from e
+        raise
+
+
+def indexer_scores(
+    index_q: jax.Array,
+    index_k: jax.Array,
+    index_weights: jax.Array,
+    *,
+    topk_indices=None,
+    segment_ids=None,
+    positions=None,
+    kv_segment_ids=None,
+    kv_positions=None,
+    loss_mask=None,
+    compress_ratio: int = 4,
+    index_head_chunk: Optional[int] = None,
+    implementation: Optional[str] = None,
+) -> jax.Array:
+    """The lightning indexer's scores I (SPEC §8), f32, -inf outside V(t): what a model's top-k selection reads and
+    the student of the distillation loss.
+
+    Args:
+      index_q: float [B, S, H_I, d_I] indexer queries (after RoPE). index_k: float [B, N, d_I] indexer keys of the
+        compressed blocks. index_weights: float [B, S, H_I] per-query head weights (every scale folded in).
+      topk_indices: int [B, S, K]: the scores of the selected slots ([B, S, K], slot order) instead of all blocks.
+      segment_ids, positions, kv_segment_ids, kv_positions, loss_mask, compress_ratio: V(t) as in
+        `indexer_distill_loss`.
+      index_head_chunk: indexer heads per step of the head-chunked computation (a divisor of H_I; default all).
+      implementation: None or "xla" (the student has no Pallas kernel yet: "pallas" is a NotImplementedError).
+
+    Returns:
+      f32 [B, S, N] (dense) or [B, S, K] (sparse); differentiable wrt the three indexer tensors.
+    """
+    from csa_pallas import student as student_lib
+    st = student_lib.validate_student(index_q, index_k, index_weights, index_head_chunk=index_head_chunk)
+    problem = _student_problem(st.index_q, st.index_k, topk_indices=topk_indices, segment_ids=segment_ids,
+                               positions=positions, kv_segment_ids=kv_segment_ids, kv_positions=kv_positions,
+                               loss_mask=loss_mask, compress_ratio=compress_ratio, implementation=implementation)
+    if implementation == "pallas":
+        raise NotImplementedError("implementation='pallas': indexer_scores has no Pallas kernel yet; use None or "
+                                  "'xla' (the head-chunked XLA student)")
+    return student_lib.masked_scores(st, problem)
+
+
+@teacher_args.takes_teacher_args
+def fused_indexer_distill_loss(
+    index_q: jax.Array,
+    index_k: jax.Array,
+    index_weights: jax.Array,
+    q: jax.Array,
+    compressed_kv: jax.Array,
+    *,
+    teacher: dict,
+    reduction: str = "mean",
+    scale=1.0,
+    index_head_chunk: Optional[int] = None,
+    query_chunk: Optional[int] = None,
+    config=None,
+) -> jax.Array:
+    """`indexer_distill_loss` with the student given by the indexer's inputs (SPEC §8): I = sum_j w ReLU(q_I . k_I).
+
+    Args:
+      index_q: float [B, S, H_I, d_I]; index_k: float [B, N, d_I]; index_weights: float [B, S, H_I] (as in
+        `indexer_scores`). The differentiable inputs (f32 accumulation; gradients in their dtypes).
+      q: float [B, S, H, D] attention queries; compressed_kv: float [B, N, D]. Teacher side: exact zero gradients.
+      {teacher_args}
+      reduction, scale: as in `indexer_distill_loss`.
+      index_head_chunk: indexer heads per step of the student (a divisor of H_I; default all, on the chunked
+        Pallas path the largest divisor <= 8).
+      query_chunk: query rows per step of the Pallas path (a divisor of S; default: the largest whose scores stay
+        within ~64 MiB per batch row, `fused_student.default_query_chunk`).
+      config: the teacher kernel's variant, on inputs living on a mesh only (the chunked path takes the defaults).
+
+    The student is computed in XLA (`student.scores`: exact f32 products, a head-chunked scan under
+    `jax.checkpoint`). Pallas path on one device: the loss is taken over chunks of query rows
+    (`fused_student.loss`), each chunk's scores feeding the teacher + fused KL kernel and recomputed in the
+    backward, so no [B, S, N] array exists. Inputs on a multi-device mesh: the scores enter `indexer_distill_loss`
+    whole (it partitions itself). "xla": the reference throughout.
+
+    Returns:
+      f32 scalar, or f32 [B, S] for reduction="none".
+    """
+    from csa_pallas import student as student_lib
+    problem = validation.validate(q, compressed_kv, **teacher)
+    st = student_lib.validate_student(index_q, index_k, index_weights, batch=problem.batch,
+                                      seq_len=problem.seq_len, num_blocks=problem.num_blocks,
+                                      index_head_chunk=index_head_chunk)
+    validation.check_reduction_args(reduction, scale)
+    implementation = choose_implementation(problem)
+    check_config(config, implementation)
+    if validation.switched_off(scale):  # SPEC §4: exact zeros (and zero gradients), nothing computed
+        b, s = problem.batch, problem.seq_len
+        return jnp.zeros((b, s), jnp.float32) if reduction == "none" else jnp.float32(0.0)
+    empty = empty_result(problem, reduction)
+    if empty is not None:
+        return empty
+    if implementation == "pallas" and placement.resolve(problem.q) is None:
+        if config is not None:
+            raise ValueError("config: the fused student's query-chunked path runs the kernels' default variants; "
+                             "drop config")
+        from csa_pallas import fused_student
+        placement.check_kernels_can_run_here(problem)
+        if index_head_chunk is None:
+            st = dataclasses.replace(st, head_chunk=fused_student.default_index_head_chunk(st.num_heads))
+        return fused_student.loss(st, problem, reduction=reduction, scale=scale, query_chunk=query_chunk)
+    logits = student_lib.scores(st, problem)
+    return indexer_distill_loss(logits, q, compressed_kv, **teacher, reduction=reduction, scale=scale,
+                                config=config)

@@ -19,7 +19,7 @@ import numpy as np
 
 from csa_pallas import reference
 from csa_pallas.kernels import fused_kl
-from csa_pallas.kernels import kl as kl_kernels
+from csa_pallas.kernels import kl_of_target as kl_kernels
 from csa_pallas.kernels import runtime
 from csa_pallas.kernels import schedule as schedule_lib
 from csa_pallas.kernels import teacher_config

@@ -227,8 +227,9 @@ def _resolve_config(config, explicit: dict) -> IndexerLossConfig:
     return IndexerLossConfig.from_maxtext_config(config, **explicit)
 
 
-def _compute_loss(cfg: IndexerLossConfig, indexer_logits, q, compressed_kv, *, topk_indices, window_kv, sinks,
+def _compute_loss(cfg: IndexerLossConfig, student: tuple, q, compressed_kv, *, topk_indices, window_kv, sinks,
                   noncompressed_lse, full_lse, segment_ids, positions, kv_segment_ids, kv_positions, loss_mask):
+    """student: (indexer_logits,) or the indexer's (index_q, index_k, index_weights) (SPEC §8, the fused op)."""
     if cfg.sparse_training is True and topk_indices is None:
         raise ValueError("topk_indices: required because sparse_training=True (MaxText indexer_sparse_training); "
                          "the sparse stage's loss is over the K selected slots")
@@ -237,17 +238,36 @@ def _compute_loss(cfg: IndexerLossConfig, indexer_logits, q, compressed_kv, *, t
                          "warm-up computes the loss over all visible blocks); drop it or set sparse_training")
     if loss_mask is None and cfg.padding_segment_id is not None and segment_ids is not None:
         loss_mask = jnp.asarray(segment_ids) != cfg.padding_segment_id
+    fused = len(student) == 3
+    if cfg.mesh is not None and fused:
+        raise ValueError("mesh: the fused student (index_q, index_k, index_weights) has no sharded entry point yet; "
+                         "drop mesh= (on sharded inputs the plain op partitions itself) or pass indexer_logits")
     if cfg.mesh is not None:
         run = functools.partial(sharding.sharded_indexer_distill_loss, cfg.mesh, batch_axes=cfg.batch_axes,
                                 head_axis=cfg.head_axis, seq_axis=cfg.seq_axis)
     else:
-        run = api.indexer_distill_loss
+        run = api.fused_indexer_distill_loss if fused else api.indexer_distill_loss
     return run(
-        indexer_logits, q, compressed_kv, topk_indices=topk_indices, window_kv=window_kv, sinks=sinks,
+        *student, q, compressed_kv, topk_indices=topk_indices, window_kv=window_kv, sinks=sinks,
         noncompressed_lse=noncompressed_lse, full_lse=full_lse, segment_ids=segment_ids, positions=positions,
         kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, loss_mask=loss_mask, compress_ratio=cfg.compress_ratio,
         window_size=cfg.window_size, softmax_scale=cfg.softmax_scale, target=cfg.target, reduction=cfg.reduction,
         scale=cfg.scale, head_chunk=cfg.head_chunk, implementation=cfg.implementation)
+
+
+# The keyword arrays of a module call (every one optional).
+_NO_ARRAYS = dict.fromkeys(("topk_indices", "window_kv", "sinks", "noncompressed_lse", "full_lse", "segment_ids",
+                            "positions", "kv_segment_ids", "kv_positions", "loss_mask"))
+
+
+def _arrays(arguments: dict) -> dict:
+    """The module call's keyword arrays, picked by name (a misspelt one is a TypeError naming it)."""
+    unknown = sorted(set(arguments) - set(_NO_ARRAYS) - {"self", "indexer_logits", "q", "compressed_kv",
+                                                          "__class__"})
+    if unknown:
+        raise TypeError(f"{unknown[0]}: not an argument of the indexer loss module (expected some of "
+                        f"{tuple(_NO_ARRAYS)})")
+    return {name: arguments[name] for name in _NO_ARRAYS}
 
 
 _CALL_DOC = """Computes the loss, records it (sow, name "indexer_loss") and returns it.
@@ -296,14 +316,21 @@ class CSAIndexerLoss(nnx.Module):
     def __call__(self, indexer_logits: jax.Array, q: jax.Array, compressed_kv: jax.Array, *, topk_indices=None,
                  window_kv=None, sinks=None, noncompressed_lse=None, full_lse=None, segment_ids=None,
                  positions=None, kv_segment_ids=None, kv_positions=None, loss_mask=None) -> jax.Array:
-        loss = _compute_loss(self.config, indexer_logits, q, compressed_kv, topk_indices=topk_indices,
-                             window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse,
-                             full_lse=full_lse, segment_ids=segment_ids, positions=positions,
-                             kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, loss_mask=loss_mask)
+        loss = _compute_loss(self.config, (indexer_logits,), q, compressed_kv, **_arrays(locals()))
         self.sow(nnx.Intermediate, SOW_NAME, loss)
         return loss
 
     __call__.__doc__ = _CALL_DOC
+
+    def fused(self, index_q: jax.Array, index_k: jax.Array, index_weights: jax.Array, q: jax.Array,
+              compressed_kv: jax.Array, **arrays) -> jax.Array:
+        """The same loss with the student given by the indexer's inputs (`csa_pallas.fused_indexer_distill_loss`,
+        SPEC §8): index_q [B, S, H_I, d_I], index_k [B, N, d_I], index_weights [B, S, H_I] get the gradients;
+        `arrays`: the keyword arrays of `__call__`. Sown like `__call__`."""
+        loss = _compute_loss(self.config, (index_q, index_k, index_weights), q, compressed_kv,
+                             **_arrays(dict(_NO_ARRAYS, **arrays)))
+        self.sow(nnx.Intermediate, SOW_NAME, loss)
+        return loss
 
 
 class CSAIndexerLossLinen(nn.Module):
@@ -349,14 +376,19 @@ class CSAIndexerLossLinen(nn.Module):
     def __call__(self, indexer_logits: jax.Array, q: jax.Array, compressed_kv: jax.Array, *, topk_indices=None,
                  window_kv=None, sinks=None, noncompressed_lse=None, full_lse=None, segment_ids=None,
                  positions=None, kv_segment_ids=None, kv_positions=None, loss_mask=None) -> jax.Array:
-        loss = _compute_loss(self.loss_config, indexer_logits, q, compressed_kv, topk_indices=topk_indices,
-                             window_kv=window_kv, sinks=sinks, noncompressed_lse=noncompressed_lse,
-                             full_lse=full_lse, segment_ids=segment_ids, positions=positions,
-                             kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, loss_mask=loss_mask)
+        loss = _compute_loss(self.loss_config, (indexer_logits,), q, compressed_kv, **_arrays(locals()))
         self.sow("intermediates", SOW_NAME, loss)
         return loss
 
     __call__.__doc__ = _CALL_DOC
+
+    def fused(self, index_q: jax.Array, index_k: jax.Array, index_weights: jax.Array, q: jax.Array,
+              compressed_kv: jax.Array, **arrays) -> jax.Array:
+        """`CSAIndexerLoss.fused` for linen (call it from a parent's compact method, or `apply(..., method=)`)."""
+        loss = _compute_loss(self.loss_config, (index_q, index_k, index_weights), q, compressed_kv,
+                             **_arrays(dict(_NO_ARRAYS, **arrays)))
+        self.sow("intermediates", SOW_NAME, loss)
+        return loss
 
 
 def _natural_key(key) -> tuple:

@@ -264,10 +264,15 @@ def teacher_padded(problem: Problem, layout: DenseLayout, normalize: bool = True
                                         layout.counts, inputs.lse_in, mode=inputs.mode, cfg=layout.cfg,
                                         scale=problem.softmax_scale, schedule=layout.schedule, normalize=normalize,
                                         seq_len=problem.seq_len, interpret=runtime.interpret_mode())
+    return detached_teacher_out(out, normalize, problem.batch)
+
+
+def detached_teacher_out(out, normalize: bool, batch: int):
+    """A teacher launch's outputs, detached: P, or (the head sum, the rows' M [B, S_p]) when not normalised."""
     if normalize:
         return jax.lax.stop_gradient(out)
     head_sum, rowmax = out
-    return jax.lax.stop_gradient(head_sum), jax.lax.stop_gradient(rowmax[:, :, 0, :].reshape(problem.batch, -1))
+    return jax.lax.stop_gradient(head_sum), jax.lax.stop_gradient(rowmax[:, :, 0, :].reshape(batch, -1))
 
 
 def teacher_distribution(problem: Problem, cfg=None) -> jax.Array:

@@ -275,10 +275,7 @@ def teacher_padded(problem: Problem, layout: SparseLayout, normalize: bool = Tru
     mode, operands = kernel_operands(problem, layout, reduce_low)
     out = _launch(layout, operands, mode=mode, scale=problem.softmax_scale, seq_len=problem.seq_len,
                   normalize=normalize)
-    if normalize:
-        return jax.lax.stop_gradient(out)
-    head_sum, rowmax = out
-    return jax.lax.stop_gradient(head_sum), jax.lax.stop_gradient(rowmax[:, :, 0, :].reshape(problem.batch, -1))
+    return ops.detached_teacher_out(out, normalize, problem.batch)
 
 
 def teacher_distribution(problem: Problem, cfg=None) -> jax.Array:

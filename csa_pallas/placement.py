@@ -187,7 +187,8 @@ def reshard_for_shard_map(tree, specs, mesh):
     where the input already has it). Auto meshes: returned unchanged (XLA reshards at the boundary)."""
     if AxisType.Explicit not in set(mesh.axis_types):
         return tree
-    return jax.tree.map(lambda x, spec: jax.sharding.reshard(x, spec), tree, specs,
+    # A NamedSharding, not the bare spec: the caller's inputs carry their mesh, no `jax.set_mesh` context needed.
+    return jax.tree.map(lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)), tree, specs,
                         is_leaf=lambda x: x is None)
 
 

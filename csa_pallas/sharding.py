@@ -37,6 +37,7 @@ from csa_pallas import api
 from csa_pallas import placement
 from csa_pallas import plans
 from csa_pallas import reference
+from csa_pallas import teacher_args
 from csa_pallas import validation
 from csa_pallas.validation import Problem
 
@@ -156,7 +157,7 @@ def _global_ids(problem: Problem, axes: MeshAxes):
 def _constrain(x, mesh, spec):
     """x laid out as `spec` on `mesh`: a reshard on Explicit axes (the type changes), a constraint on Auto ones."""
     if AxisType.Explicit in set(mesh.axis_types):
-        return jax.sharding.reshard(x, spec)
+        return jax.sharding.reshard(x, NamedSharding(mesh, spec))  # no `jax.set_mesh` context needed
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -298,9 +299,9 @@ def _shard_inputs(problem: Problem, axes: MeshAxes, indexer_logits=None):
     return arrays, specs
 
 
-def _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, arguments: dict):
+def _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher: dict):
     placement.check_outside_shard_map(q)
-    problem = api._problem(q, compressed_kv, arguments)
+    problem = validation.validate(q, compressed_kv, **teacher)
     axes = _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem)
     return problem, axes
 
@@ -312,37 +313,24 @@ def _uses_pallas(problem: Problem) -> bool:
 AxisNames = Union[None, str, Sequence[str]]
 
 
+@teacher_args.takes_teacher_args
 def sharded_indexer_distill_loss(
     mesh: Mesh,
     indexer_logits: jax.Array,
     q: jax.Array,
     compressed_kv: jax.Array,
     *,
+    teacher: dict,
     batch_axes: AxisNames = None,
     head_axis: Optional[str] = None,
     seq_axis: Optional[str] = None,
-    topk_indices=None,
-    window_kv=None,
-    sinks=None,
-    noncompressed_lse=None,
-    full_lse=None,
-    segment_ids=None,
-    positions=None,
-    kv_segment_ids=None,
-    kv_positions=None,
-    loss_mask=None,
-    compress_ratio: int = 4,
-    window_size: int = 128,
-    softmax_scale: Optional[float] = None,
-    target: str = "joint",
     reduction: str = "mean",
     scale=1.0,
-    head_chunk: Optional[int] = None,
-    implementation: Optional[str] = None,
 ) -> jax.Array:
     """`csa_pallas.indexer_distill_loss` with batch, heads and query sequence sharded over `mesh`.
 
-    Args are the global arrays of `indexer_distill_loss` (any sharding; typically NamedShardings on `mesh`), plus:
+    Args are the global arrays and arguments of `indexer_distill_loss` (any sharding; typically NamedShardings on
+    `mesh`), plus:
       mesh: the jax.sharding.Mesh.
       batch_axes: mesh axis name(s) sharding B (data / fsdp). B must be a multiple of their total size.
       head_axis: mesh axis sharding the H attention heads (tensor parallelism). head_chunk must divide H / size.
@@ -352,14 +340,13 @@ def sharded_indexer_distill_loss(
     indexer_logits only, under jit and grad. Inside, the logits are split over rows by (seq_axis, head_axis); their
     gradient comes back sharded P(batch_axes, seq_axis, None), the layout of activations on this mesh.
     """
-    arguments = dict(locals())
-    problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, arguments)
+    problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher)
     validation.validate_logits(indexer_logits, problem)
     validation.check_reduction_args(reduction, scale)
     if (not _uses_pallas(problem) or validation.switched_off(scale)
             or api.empty_result(problem, reduction) is not None):
-        return api.indexer_distill_loss(indexer_logits, q, compressed_kv, **_public_kwargs(arguments),
-                                        reduction=reduction, scale=scale)
+        return api.indexer_distill_loss(indexer_logits, q, compressed_kv, **teacher, reduction=reduction,
+                                        scale=scale)
     num_seq_shards, num_head_shards = _axis_size(mesh, seq_axis), _axis_size(mesh, head_axis)
     indexer_logits = _cotangent_sharded_like(indexer_logits, mesh, axes.row_vectors_spec())
     arrays, specs = _shard_inputs(problem, axes, indexer_logits)
@@ -378,37 +365,22 @@ def sharded_indexer_distill_loss(
     return reference.reduce_rows(rows, nonempty, reduction, scale)
 
 
+@teacher_args.takes_teacher_args
 def sharded_teacher_distribution(
     mesh: Mesh,
     q: jax.Array,
     compressed_kv: jax.Array,
     *,
+    teacher: dict,
     batch_axes: AxisNames = None,
     head_axis: Optional[str] = None,
     seq_axis: Optional[str] = None,
-    topk_indices=None,
-    window_kv=None,
-    sinks=None,
-    noncompressed_lse=None,
-    full_lse=None,
-    segment_ids=None,
-    positions=None,
-    kv_segment_ids=None,
-    kv_positions=None,
-    loss_mask=None,
-    compress_ratio: int = 4,
-    window_size: int = 128,
-    softmax_scale: Optional[float] = None,
-    target: str = "joint",
-    head_chunk: Optional[int] = None,
-    implementation: Optional[str] = None,
 ) -> jax.Array:
     """`csa_pallas.teacher_distribution` sharded like `sharded_indexer_distill_loss`: f32 [B, S, N] or [B, S, K],
     sharded over batch and over rows by (seq_axis, head_axis)."""
-    arguments = dict(locals())
-    problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, arguments)
+    problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher)
     if not _uses_pallas(problem) or not (problem.batch and problem.seq_len and problem.num_blocks):
-        return api.teacher_distribution(q, compressed_kv, **_public_kwargs(arguments))
+        return api.teacher_distribution(q, compressed_kv, **teacher)
     num_seq_shards, num_head_shards = _axis_size(mesh, seq_axis), _axis_size(mesh, head_axis)
     arrays, specs = _shard_inputs(problem, axes)
     arrays = placement.reshard_for_shard_map(arrays, specs, mesh)
@@ -418,10 +390,6 @@ def sharded_teacher_distribution(
         return plans.positive_part(target[:, :rows_problem.seq_len, :problem.width])
 
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=axes.kl_spec(), check_vma=False)(arrays)
-
-
-def _public_kwargs(arguments: dict) -> dict:
-    return {name: arguments[name] for name in api._TEACHER_ARGS}
 
 
 def sharded_noncompressed_lse(mesh, q, window_kv, *, batch_axes: AxisNames = None, head_axis: Optional[str] = None,

@@ -64,6 +64,8 @@ class DeepSeekV4CSAConfig:
     # Not MaxText fields: which teacher and which csa_pallas implementation the loss uses.
     indexer_loss_target: str = "joint"
     implementation: Optional[str] = "xla"
+    # True: the loss gets the indexer's inputs (`CSAIndexerLoss.fused`, SPEC §8) instead of its scores.
+    indexer_fused_student: bool = False
 
 
 class CSAIntermediates(NamedTuple):
@@ -182,6 +184,13 @@ class LightningIndexer(nnx.Module):
 
     def __call__(self, x: jax.Array, q_latent: jax.Array) -> jax.Array:
         """x: [B, S, E]; q_latent: [B, S, q_lora_rank] (the shared normed Q-LoRA latent). Returns f32 [B, S, N]."""
+        q, k, w = self.inputs(x, q_latent)
+        relu = jax.nn.relu(jnp.einsum("bsjd,bnd->bsjn", q, k))
+        return jnp.einsum("bsjn,bsj->bsn", relu, w)
+
+    def inputs(self, x: jax.Array, q_latent: jax.Array):
+        """The scores' inputs (SPEC §8): index_q f32 [B, S, H_I, d_I], index_k [B, N, d_I], index_weights
+        [B, S, H_I] with every scale folded in."""
         b, s, _ = x.shape
         k = self.compressor(x)  # [B, N, d_I]
         q = self.q_proj(q_latent).astype(jnp.float32).reshape(b, s, self.n_heads, self.head_dim)
@@ -189,8 +198,7 @@ class LightningIndexer(nnx.Module):
         # The whole H_I^-1/2 · d_I^-1/2 goes into the head weights: without it the student softmax is
         # sqrt(H_I·d_I) times too sharp for the KL to be useful (anchors §B.0).
         w = self.weights_proj(x).astype(jnp.float32) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
-        relu = jax.nn.relu(jnp.einsum("bsjd,bnd->bsjn", q, k))
-        return jnp.einsum("bsjn,bsj->bsn", relu, w)
+        return q, k, w
 
 
 class DeepSeekV4CSAAttention(nnx.Module):
@@ -292,7 +300,13 @@ class DeepSeekV4CSAAttention(nnx.Module):
 
         # The teacher side is detached (SPEC §5): only the indexer learns from the loss.
         sg = jax.lax.stop_gradient
-        loss = self.indexer_loss(loss_logits, sg(q), sg(ckv), topk_indices=topk, window_kv=sg(kv), sinks=sg(sinks))
+        if cfg.indexer_fused_student:  # the loss computes I from the indexer's inputs and differentiates them
+            student = self.indexer.inputs(sg(x), sg(q_latent))
+            loss = self.indexer_loss.fused(*student, sg(q), sg(ckv), topk_indices=topk, window_kv=sg(kv),
+                                           sinks=sg(sinks))
+        else:
+            loss = self.indexer_loss(loss_logits, sg(q), sg(ckv), topk_indices=topk, window_kv=sg(kv),
+                                     sinks=sg(sinks))
         aux = CSAIntermediates(q=q, window_kv=kv, compressed_kv=ckv, sinks=sinks, indexer_scores=scores,
                                visible=visible, topk_indices=topk, indexer_logits=loss_logits, loss=loss)
         return y, aux

@@ -116,7 +116,8 @@ evaluate = nnx.jit(_evaluate, static_argnames="sparse")
 
 def run(*, stages=("dense", "sparse"), sparse_from_warmup: bool = False, steps: int = 400, batch: int = 8,
         seq_len: int = 256, vocab_size: int = 512, lr: float = 5e-3, eval_every: int = 25, seed: int = 0,
-        implementation: Optional[str] = "xla", cfg: Optional[DeepSeekV4CSAConfig] = None, log=print) -> dict:
+        implementation: Optional[str] = "xla", cfg: Optional[DeepSeekV4CSAConfig] = None, fused_student: bool = False,
+        log=print) -> dict:
     """Trains the indexer for `steps` steps per stage; returns {stage: {"step", "kl", "recall"}} (eval history).
 
     Each stage starts from the same fresh indexer (same seed, same frozen backbone, same batches), so each
@@ -124,7 +125,8 @@ def run(*, stages=("dense", "sparse"), sparse_from_warmup: bool = False, steps: 
     warmed-up indexer, DeepSeek's order. Deterministic for a given seed: the model init, the training batches and
     the held-out batch all derive from it.
     """
-    cfg = dataclasses.replace(cfg or DeepSeekV4CSAConfig(), implementation=implementation)
+    cfg = dataclasses.replace(cfg or DeepSeekV4CSAConfig(), implementation=implementation,
+                              indexer_fused_student=fused_student)
     if cfg.indexer_loss_scaling_factor <= 0:
         raise ValueError("indexer_loss_scaling_factor: must be > 0 here, it is the indexer's only training signal")
     eval_tokens = jnp.asarray(synthetic_tokens(np.random.default_rng(seed + 10_000), batch, seq_len, vocab_size))
@@ -205,6 +207,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--implementation", choices=("xla", "pallas", "auto"), default="xla",
                         help="csa_pallas implementation of the loss; auto = pallas where the kernels cover the "
                              "configuration, else xla (sparse mode has no Pallas kernel yet: 'pallas' raises there)")
+    parser.add_argument("--fused-student", action="store_true",
+                        help="the loss takes the indexer's inputs (csa_pallas.fused_indexer_distill_loss, SPEC §8) "
+                             "instead of its scores")
     parser.add_argument("--output", default=os.path.join("results", "train_indexer.png"), help="PNG path")
     args = parser.parse_args(argv)
 
@@ -213,7 +218,7 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     history = run(stages=stages, sparse_from_warmup=args.sparse_from_warmup, steps=args.steps, batch=args.batch,
                   seq_len=args.seq_len, lr=args.lr, eval_every=args.eval_every, seed=args.seed,
-                  implementation=implementation)
+                  implementation=implementation, fused_student=args.fused_student)
     elapsed = time.perf_counter() - start
     print(f"\nsummary (seed {args.seed}, {args.steps} steps/stage, batch {args.batch} x {args.seq_len} tokens, "
           f"{elapsed:.0f}s)")

@@ -342,3 +342,55 @@ def finite_difference_grad(f, x, eps=1e-6, mask=None):
         x[i] = orig
         grad[i] = (fp - fm) / (2 * eps)
     return grad
+
+
+# --- SPEC §8: the fused student -----------------------------------------------------------------------------------
+
+def indexer_scores(index_q, index_k, index_weights, topk_indices=None):
+    """SPEC §8 I[t, s] = sum_j w[t, j] ReLU(q_I[t, j] . k_I[s]), float64: [B, S, N], or [B, S, K] with slot k
+    scoring block topk_indices[t, k] (0 for an index outside [0, N): such a slot is empty and never read)."""
+    q, k, w = _f64(index_q), _f64(index_k), _f64(index_weights)
+    B, S, H_I, _ = q.shape
+    N = k.shape[1]
+    if topk_indices is None:
+        blocks = np.broadcast_to(np.arange(N), (B, S, N))
+    else:
+        blocks = _i64(topk_indices)
+    I = np.zeros(blocks.shape)
+    for b in range(B):
+        for t in range(S):
+            for slot, s in enumerate(blocks[b, t]):
+                if 0 <= s < N:
+                    I[b, t, slot] = sum(w[b, t, j] * max(0.0, float(q[b, t, j] @ k[b, s])) for j in range(H_I))
+    return I
+
+
+def fused_loss(index_q, index_k, index_weights, q, compressed_kv, **kw):
+    """SPEC §8 + §4: the loss with I from the indexer's inputs."""
+    I = indexer_scores(index_q, index_k, index_weights, kw.get("topk_indices"))
+    return loss(I, q, compressed_kv, **kw)
+
+
+def fused_loss_grads(index_q, index_k, index_weights, q, compressed_kv, **kw):
+    """SPEC §8 chain rule from SPEC §5's dI: (d index_q, d index_k, d index_weights), float64."""
+    topk = kw.get("topk_indices")
+    I = indexer_scores(index_q, index_k, index_weights, topk)
+    dI = loss_grad(I, q, compressed_kv, **kw)
+    qi, ki, w = _f64(index_q), _f64(index_k), _f64(index_weights)
+    B, S, H_I, _ = qi.shape
+    N = ki.shape[1]
+    dq, dk, dw = np.zeros_like(qi), np.zeros_like(ki), np.zeros_like(w)
+    for b in range(B):
+        for t in range(S):
+            blocks = range(N) if topk is None else _i64(topk)[b, t]
+            for slot, s in enumerate(blocks):
+                if not (0 <= s < N) or dI[b, t, slot] == 0:
+                    continue
+                g = dI[b, t, slot]
+                for j in range(H_I):
+                    dot = float(qi[b, t, j] @ ki[b, s])
+                    dw[b, t, j] += g * max(0.0, dot)
+                    if dot > 0:  # the ReLU's derivative is the indicator [q . k > 0]: 0 at exactly 0
+                        dq[b, t, j] += g * w[b, t, j] * ki[b, s]
+                        dk[b, s] += g * w[b, t, j] * qi[b, t, j]
+    return dq, dk, dw

@@ -47,7 +47,7 @@ def test_flash_shape_forward_backward_compiles_within_memory_bound(seq, target):
     if seq == 4096:
         # The KL is fused into the teacher and the forward saves only G, which XLA updates in place into the
         # gradient: no [B, S, N] f32 temporary (16 MiB) may appear. The XLA baseline's best head chunk needs 129 MiB
-        # here (benchmarks/dense_memory.py); this bound is 1/16 of that.
+        # here (`python -m benchmarks.demo`); this bound is 1/16 of that.
         assert report.temp_bytes <= one_target // 2, report
         # Default ids and reduction "mean": every row has the same static weight, so G is saved pre-scaled and the
         # backward of a directly differentiated loss (cotangent 1) is no work at all: no XLA op reads or writes a

@@ -280,6 +280,23 @@ def test_short_training_run_cuts_kl_by_3x():
     assert losses()[0] == kl  # deterministic
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_fused_student_trains_the_same_way(sparse):
+    """--fused-student (the loss takes the indexer's inputs, SPEC §8): the same losses step by step as the
+    scores path, within f32 rounding (same seed, batch and optimizer; 10 Adam steps)."""
+    tokens = jnp.asarray(train_indexer.synthetic_tokens(np.random.default_rng(1), 2, 64, 512))
+
+    def losses(fused):
+        cfg = DeepSeekV4CSAConfig(implementation="xla", indexer_fused_student=fused)
+        model = train_indexer.TinyCSAModel(cfg, 512, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=train_indexer.INDEXER)
+        return [float(train_indexer.train_step(model, optimizer, tokens, sparse=sparse)) for _ in range(11)]
+
+    scores, fused = losses(False), losses(True)
+    np.testing.assert_allclose(fused, scores, rtol=2e-4)
+    assert fused[10] < fused[0]
+
+
 def test_plot_writes_png(tmp_path):
     history = {"dense": {"step": [0, 10], "kl": [0.1, 0.05], "recall": [0.4, 0.6], "chained": False},
                "sparse": {"step": [0, 10], "kl": [0.1, 0.04], "recall": [0.4, 0.7], "chained": True}}

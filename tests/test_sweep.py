@@ -1,19 +1,20 @@
-"""benchmarks.sweep: presets, config enumeration + filters, table format/parse round trip, plot writer, and one
-end-to-end `--preset tiny --quick` run (in-process, interpret-mode checks; AOT rows when libtpu is installed)."""
+"""benchmarks.sweep: shapes, config enumeration + filters, table format/parse round trip, plot writer, the mesh
+rows, and one end-to-end `--shape tiny --quick` run (in-process, interpret-mode checks; AOT rows with libtpu)."""
 
 import csv
+import dataclasses
 import json
 import os
 
 import pytest
 
-from benchmarks import sweep
+from benchmarks import harness, sweep, sweep_mesh
 
 
-def test_presets():
-    flash, pro, tiny = (sweep.PRESETS[k] for k in ("deepseek-v4-flash", "deepseek-v4-pro", "tiny"))
+def test_shapes():
+    flash, pro, tiny = (harness.SHAPES[k] for k in ("deepseek-v4-flash", "deepseek-v4-pro", "tiny"))
     assert (flash.heads, flash.head_dim, flash.ratio, flash.window, flash.topk) == (64, 512, 4, 128, 512)
-    assert (pro.heads, pro.head_dim, pro.ratio, pro.window, pro.topk) == (128, 512, 4, 128, 512)
+    assert (pro.heads, pro.head_dim, pro.ratio, pro.window, pro.topk) == (128, 512, 4, 128, 1024)
     assert (tiny.heads, tiny.head_dim, tiny.ratio, tiny.window, tiny.topk) == (4, 32, 4, 32, 16)
     assert tiny.seqs == (128, 256)
     assert flash.head_chunks == (1, 2, 4, 8, 16, 32, 64)
@@ -23,21 +24,25 @@ def test_presets():
 
 
 def test_enumerate_all_and_quick():
-    tiny = sweep.PRESETS["tiny"]
+    tiny = harness.SHAPES["tiny"]
     full = sweep.enumerate_configs(tiny)
     # per S: pallas 2 modes x 2 targets x 3 chunks; xla baseline (dense per_head) 3 chunks; reference 3 combos x 1
     assert len(full) == 2 * (12 + 3 + 3)
-    assert {c.seq for c in full} == {128, 256}
+    assert {c.seq for c in full} == {128, 256} and {c.ids for c in full} == {"default"}
     assert len(set(full)) == len(full)
     ref = [c for c in full if c.impl == "xla" and not sweep.uses_baseline(c.mode, c.target)]
-    assert {c.head_chunk for c in ref} == {4}
+    assert {c.head_chunk for c in ref} == {None}  # the reference has no head chunk
     quick = sweep.enumerate_configs(tiny, quick=True)
-    assert {c.seq for c in quick} == {128} and {c.head_chunk for c in quick} == {4}
+    assert {c.seq for c in quick} == {128} and {c.head_chunk for c in quick} == {4, None}
     assert len(quick) == 8  # 2 modes x 2 targets x 2 impls
+    auto = sweep.enumerate_configs(tiny, seqs=[128], head_chunks=[None, 2], modes=["dense"], targets=["per_head"],
+                                   ids="packed")
+    assert [(c.impl, c.head_chunk) for c in auto] == [("pallas", None), ("pallas", 2), ("xla", 2)]  # baseline: ints
+    assert sweep.arg_names(auto[0]) == ["logits", "q", "compressed_kv", "segment_ids"]
 
 
 def test_enumerate_filters():
-    flash = sweep.PRESETS["deepseek-v4-flash"]
+    flash = harness.FLASH
     cfgs = sweep.enumerate_configs(flash, seqs=[8192, 4096], head_chunks=[8, 1], modes=["dense"],
                                    targets=["per_head"], impls=["pallas"])
     assert [(c.seq, c.head_chunk) for c in cfgs] == [(4096, 1), (4096, 8), (8192, 1), (8192, 8)]
@@ -51,41 +56,34 @@ def test_enumerate_filters():
 
 
 def test_cli_filters_parse():
-    a = sweep.build_parser().parse_args(["--preset", "tiny", "--seq", "128", "--head-chunk", "1", "2", "--mode",
+    a = sweep.build_parser().parse_args(["--shape", "tiny", "--seq", "128", "--head-chunk", "auto", "2", "--mode",
                                          "sparse", "--target", "joint", "--impl", "pallas", "--quick"])
-    assert (a.seq, a.head_chunk, a.mode, a.target, a.impl, a.quick) == ([128], [1, 2], ["sparse"], ["joint"],
+    assert (a.seq, a.head_chunk, a.mode, a.target, a.impl, a.quick) == ([128], [None, 2], ["sparse"], ["joint"],
                                                                         ["pallas"], True)
 
 
 def test_mesh_option_parses_axes_and_rejects_bad_ones():
     a = sweep.build_parser().parse_args(["--mesh", "data=2,heads=4", "--mesh", "seq=8"])
     assert a.mesh == [{"data": 2, "heads": 4}, {"seq": 8}] and a.mesh_topology == "v5p:2x2x2"
-    assert sweep.mesh_label({"data": 2, "seq": 4}) == "data=2,seq=4"
-    assert sweep.mesh_batch(sweep.PRESETS["tiny"], {"data": 4, "heads": 2}) == 4
+    assert sweep_mesh.label({"data": 2, "seq": 4}) == "data=2,seq=4"
+    assert sweep_mesh.global_shape(harness.SHAPES["tiny"], {"data": 4, "heads": 2}).batch == 4
     for bad in ("model=2", "data=0", "data=2,data=2", "heads"):
         with pytest.raises(ValueError, match="--mesh"):
-            sweep.parse_mesh(bad)
+            sweep_mesh.parse_mesh(bad)
 
 
 def test_mesh_rows_compile_sharded_per_device(tmp_path):
     from csa_pallas import aot
     if not aot.libtpu_available():
         pytest.fail("libtpu is required for the sweep's AOT rows: pip install 'jax[tpu]==0.10.2'")
-    preset, cfg = sweep.PRESETS["tiny"], sweep.Config(seq=256, head_chunk=2, mode="dense", target="joint", impl="pallas")
-    row = sweep.mesh_aot_row(preset, cfg, "fwd+bwd", "v5p:2x2x1", {"data": 2, "heads": 2}, None)
+    cfg = sweep.Config(seq=256, head_chunk=2, mode="dense", target="joint", impl="pallas", ids="packed")
+    row = sweep_mesh.aot_row("tiny", dataclasses.asdict(cfg), "fwd+bwd", "v5p:2x2x1", {"data": 2, "heads": 2})
     assert row["status"] == "ok", row["error"]
     assert row["mesh"] == "data=2,heads=2" and row["batch"] == 2 and row["temp_mib"] > 0
 
 
-def test_classify_error():
-    assert sweep.classify_error("Mosaic failed: scoped VMEM limit exceeded") == "VMEM overflow"
-    assert sweep.classify_error("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm") == "HBM overflow"
-    assert sweep.classify_error("SMEM allocation exceeds the limit") == "SMEM overflow"
-    assert sweep.classify_error("something else") == "error"
-
-
 def _rows():
-    base = dict(preset="tiny", mode="dense", target="per_head", impl="pallas", head_chunk=4, seq=128)
+    base = dict(shape="tiny", mode="dense", target="per_head", impl="pallas", head_chunk=4, seq=128)
     r1 = dict(base, pass_="fwd+bwd", measure="aot", how="aot v5p:2x2x1 memory_analysis", status="ok", error="",
               argument_mib=0.125, temp_mib=12.3456, peak_mib=13.5, vmem_limit_mib=32.0, compile_s=2.25)
     r2 = dict(base, impl="xla", head_chunk=1, seq=256, pass_="fwd", measure="aot", how="aot v5p:2x2x1 memory_analysis",
@@ -106,7 +104,7 @@ def test_table_round_trip():
     assert "RESOURCE_EXHAUSTED" in text  # notes carry the first message line
     parsed = sweep.parse_table("some preamble\n" + text + "\ntrailing text\n")
     assert len(parsed) == len(rows)
-    for r, p in zip(rows, parsed):
+    for r, p in zip(sweep.table_rows(rows), parsed):
         for key, _, kind in sweep.COLUMNS:
             v = r.get(key)
             if v is None or v == "":
@@ -137,7 +135,7 @@ def test_plot_writer(tmp_path):
 def test_end_to_end_tiny_quick(tmp_path, capsys):
     from csa_pallas import aot
 
-    rc = sweep.main(["--preset", "tiny", "--quick", "--out", str(tmp_path)])
+    rc = sweep.main(["--shape", "tiny", "--quick", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0
     assert "compiled.memory_analysis()" in out and "interpret mode" in out
@@ -170,7 +168,7 @@ def test_end_to_end_tiny_quick(tmp_path, capsys):
 
 def test_isolated_compile_timeout(tmp_path, capsys):
     """--isolate on: the AOT row runs in a child; a compile timeout kills it and records a 'timeout' row."""
-    rc = sweep.main(["--preset", "tiny", "--quick", "--no-check", "--isolate", "on", "--mode", "dense", "--target",
+    rc = sweep.main(["--shape", "tiny", "--quick", "--no-check", "--isolate", "on", "--mode", "dense", "--target",
                      "per_head", "--impl", "pallas", "--compile-timeout", "0.2", "--out", str(tmp_path)])
     assert rc == 0
     with open(tmp_path / "sweep_tiny_quick.json") as f:
@@ -180,3 +178,4 @@ def test_isolated_compile_timeout(tmp_path, capsys):
         assert [(r["measure"], r["status"]) for r in rows] == [("aot", "timeout")]
         assert "timeout" in rows[0]["error"] and rows[0]["how"]
     assert sweep.parse_table(capsys.readouterr().out) == sweep.parse_table(sweep.format_table(rows))
+    assert set(rows[0]) == set(harness.ROW_FIELDS)  # the child's row is a harness.Row

@@ -36,7 +36,7 @@ class FusedKL:
     grad_scale: float = 1.0
 
 
-KL_STAT_ROWS = 8  # row 0 KL, row 1 lse, row 2 sum P, row 3 non-empty; the layout of `kl.kl_forward_pallas`
+KL_STAT_ROWS = 8  # row 0 KL, row 1 lse, row 2 sum P, row 3 non-empty; the layout of `kl_of_target.kl_forward_pallas`
 
 
 def kl_chunk(n_p: int, chunk: int) -> int:

@@ -1,4 +1,7 @@
-"""Fused KL(P || softmax_V(I)) forward and backward kernels (SPEC §4-§5).
+"""KL(P || softmax_V(I)) of a target P already in HBM: forward and backward kernels (SPEC §4-§5).
+
+Used where P must exist before the KL (the heads-sharded loss reduces head sums across devices first); everywhere
+else the KL is fused into the teacher's last step (`fused_kl.py`).
 
 Forward, grid (B*nq "parallel", nk "arbitrary") over the kv tiles a query tile needs (same compacted table as the
 teacher): one pass over P and I tiles keeps, per lane, the student's running max/sum and the partial sums
@@ -101,6 +104,18 @@ def _fwd_kernel(firsts_ref, counts_ref, p_ref, i_ref, *refs, schedule, target_ma
         stats_ref[...] = common.column_to_rows(cols, STAT_ROWS)
 
 
+def _tile_inputs(target, logits, qmeta, kmeta, bq: int, bk: int, tile_map, row_map, kmeta_map, target_mask: bool):
+    """BlockSpecs and operands both KL kernels read per (query tile, kv tile): the P and I tiles and, for dense
+    targets, the rows' and blocks' visibility metadata."""
+    in_specs = [pl.BlockSpec((None, bq, bk), tile_map), pl.BlockSpec((None, bq, bk), tile_map)]
+    operands = [target, logits]
+    if not target_mask:
+        in_specs += [pl.BlockSpec((None, bq, common.LANES), row_map),
+                     pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map)]
+        operands += [qmeta, kmeta]
+    return in_specs, operands
+
+
 def kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, *, schedule: schedule_lib.TileSchedule,
                       interpret=False, target_mask: bool = False):
     """Per-row KL and student statistics.
@@ -141,12 +156,7 @@ def kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, *, schedule:
 
     kernel = functools.partial(_fwd_kernel, schedule=schedule, target_mask=target_mask)
     vmem = 2 * (2 * bq * bk * 4 + bq * common.LANES * 4 + common.SUBLANES * max(bk, 128) * 4) + 6 * bq * 128 * 4
-    in_specs = [pl.BlockSpec((None, bq, bk), p_map), pl.BlockSpec((None, bq, bk), p_map)]
-    operands = [target, logits]
-    if not target_mask:
-        in_specs += [pl.BlockSpec((None, bq, common.LANES), row_map),
-                     pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map)]
-        operands += [qmeta, kmeta]
+    in_specs, operands = _tile_inputs(target, logits, qmeta, kmeta, bq, bk, p_map, row_map, kmeta_map, target_mask)
     return runtime.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -232,12 +242,7 @@ def kl_backward_pallas(target, logits, qmeta, kmeta, firsts, counts, rowstats, *
 
     kernel = functools.partial(_bwd_kernel, schedule=schedule, target_mask=target_mask)
     vmem = 2 * (3 * bq * bk * 4 + bq * common.LANES * 4 + common.SUBLANES * max(bk, 128) * 4)
-    in_specs = [pl.BlockSpec((None, bq, bk), in_map), pl.BlockSpec((None, bq, bk), in_map)]
-    operands = [target, logits]
-    if not target_mask:
-        in_specs += [pl.BlockSpec((None, bq, common.LANES), row_map),
-                     pl.BlockSpec((None, common.SUBLANES, bk), kmeta_map)]
-        operands += [qmeta, kmeta]
+    in_specs, operands = _tile_inputs(target, logits, qmeta, kmeta, bq, bk, in_map, row_map, kmeta_map, target_mask)
     in_specs.append(pl.BlockSpec((None, None, STAT_ROWS, bq), stats_map))
     operands.append(rowstats)
     return runtime.pallas_call(

@@ -1,0 +1,238 @@
+"""The fused student (SPEC §8): `indexer_scores` and `fused_indexer_distill_loss` against the float64 oracle.
+
+The loss and all three indexer gradients (the chain rule from SPEC §5's dI) within 1e-6 (loss, absolute) and 1e-6
+relative to each gradient's max, for the reference (implementation="xla") and with the teacher / KL in the Pallas
+kernels (interpret mode); dense and sparse, both targets, packing, loss_mask, bf16 inputs, indexer head chunks,
+ReLU ties at exactly 0, exact zero teacher-side gradients, field-named errors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import csa_pallas
+import oracle
+from kernel_cases import packed_ids
+
+TOL = 1e-6
+
+
+def make_student_case(seed, *, batch=1, seq=32, heads=2, head_dim=16, index_heads=3, index_dim=16, ratio=4,
+                      topk=None, num_docs=1, dtype=jnp.float32, loss_mask=False):
+    rng = np.random.default_rng(seed)
+    n = seq // ratio
+    c = dict(
+        index_q=jnp.asarray(rng.standard_normal((batch, seq, index_heads, index_dim)), dtype),
+        index_k=jnp.asarray(rng.standard_normal((batch, n, index_dim)), dtype),
+        index_weights=jnp.asarray(rng.standard_normal((batch, seq, index_heads)) * 0.5, dtype),
+        q=jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), dtype),
+        compressed_kv=jnp.asarray(rng.standard_normal((batch, n, head_dim)), dtype),
+    )
+    kw = dict(compress_ratio=ratio, window_size=8, window_kv=jnp.asarray(rng.standard_normal((batch, seq, head_dim)),
+                                                                          dtype),
+              sinks=jnp.asarray(rng.standard_normal(heads), jnp.float32))
+    if topk is not None:
+        kw["topk_indices"] = jnp.asarray(rng.integers(-1, n + 1, size=(batch, seq, topk)), jnp.int32)
+    if num_docs > 1:
+        seg, pos = packed_ids(rng, batch, seq, num_docs)
+        kw["segment_ids"], kw["positions"] = jnp.asarray(seg), jnp.asarray(pos)
+    if loss_mask:
+        kw["loss_mask"] = jnp.asarray(rng.random((batch, seq)) > 0.25)
+    return c, kw
+
+
+def _oracle_kw(kw, target, reduction="mean", scale=1.0):
+    return dict({k: np.asarray(v) for k, v in kw.items() if not isinstance(v, (int, float))},
+                compress_ratio=kw["compress_ratio"], window_size=kw["window_size"], target=target,
+                reduction=reduction, scale=scale)
+
+
+def _loss_and_grads(c, kw, **options):
+    def loss(iq, ik, iw):
+        return csa_pallas.fused_indexer_distill_loss(iq, ik, iw, c["q"], c["compressed_kv"], **kw, **options)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(c["index_q"], c["index_k"], c["index_weights"])
+
+
+def _check(c, kw, target, *, implementation="xla", reduction="mean", scale=1.3, index_head_chunk=None, **options):
+    value, grads = _loss_and_grads(c, kw, target=target, reduction=reduction, scale=scale,
+                                   implementation=implementation, index_head_chunk=index_head_chunk, **options)
+    okw = _oracle_kw(kw, target, reduction, scale)
+    args = [np.asarray(c[k], np.float64) for k in ("index_q", "index_k", "index_weights", "q", "compressed_kv")]
+    expected = oracle.fused_loss(*args, **okw)
+    assert abs(float(value) - expected) <= TOL * max(1.0, abs(expected)), (float(value), expected)
+    for name, got, want in zip(("index_q", "index_k", "index_weights"), grads,
+                               oracle.fused_loss_grads(*args, **okw)):
+        assert got.dtype == c[name].dtype, name
+        err = np.max(np.abs(np.asarray(got, np.float64) - want), initial=0.0)
+        # a bf16 input gets its gradient in bf16: the f32 gradient rounded once (half an ulp, 2^-9 relative)
+        tol = TOL if got.dtype == jnp.float32 else 2.0 ** -8
+        assert err <= tol * max(np.max(np.abs(want), initial=0.0), 1e-30) + 1e-12, (name, err)
+
+
+@pytest.mark.parametrize("target", ["per_head", "joint"])
+@pytest.mark.parametrize("topk", [None, 5])
+def test_reference_matches_the_oracle(target, topk):
+    c, kw = make_student_case(0, batch=2, topk=topk, num_docs=2)
+    _check(c, kw, target)
+
+
+@pytest.mark.parametrize("topk", [None, 5])
+def test_pallas_teacher_with_the_student_matches_the_oracle(topk):
+    c, kw = make_student_case(1, seq=64, topk=topk, num_docs=2, loss_mask=True)
+    _check(c, kw, "joint", implementation="pallas", index_head_chunk=1)
+
+
+@pytest.mark.parametrize("topk, target, reduction", [(None, "joint", "mean"), (6, "joint", "sum"),
+                                                      (None, "per_head", "mean_all")])
+def test_query_chunks_through_the_kernels(topk, target, reduction):
+    """The Pallas path in chunks of 16 query rows (4 chunks; u from the window kernel once for all rows)."""
+    c, kw = make_student_case(11, batch=2, seq=64, topk=topk, num_docs=2, loss_mask=True)
+    _check(c, kw, target, implementation="pallas", reduction=reduction, query_chunk=16, index_head_chunk=1)
+
+
+def test_query_chunk_must_divide_s_and_default_chunks_fit():
+    from csa_pallas import fused_student, validation
+    c, kw = make_student_case(12)
+    with pytest.raises(ValueError, match="query_chunk: expected a divisor of S=32"):
+        _loss_and_grads(c, kw, implementation="pallas", query_chunk=12)
+    big = validation.validate(jax.ShapeDtypeStruct((1, 131072, 64, 512), jnp.bfloat16),
+                              jax.ShapeDtypeStruct((1, 32768, 512), jnp.bfloat16), target="per_head")
+    chunk = fused_student.default_query_chunk(big, index_head_chunk=8)
+    assert chunk == fused_student.MIN_QUERY_CHUNK  # 64 MiB / (26 [chunk, N] f32 rows) would be 19 rows
+    small = validation.validate(jax.ShapeDtypeStruct((1, 32768, 64, 512), jnp.bfloat16),
+                                jax.ShapeDtypeStruct((1, 8192, 512), jnp.bfloat16), target="per_head")
+    assert fused_student.default_query_chunk(small, index_head_chunk=8) == 64  # 78 rows fit: the largest divisor
+    assert fused_student.default_index_head_chunk(64) == 8 and fused_student.default_index_head_chunk(6) == 6
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), seq=st.sampled_from([12, 20, 36]), index_heads=st.integers(1, 8),
+       index_dim=st.sampled_from([16, 32, 128]), sparse=st.booleans(), reduction=st.sampled_from(["mean", "sum"]))
+def test_drawn_shapes(seed, seq, index_heads, index_dim, sparse, reduction):
+    c, kw = make_student_case(seed, seq=seq, index_heads=index_heads, index_dim=index_dim,
+                              topk=3 if sparse else None, loss_mask=bool(seed % 2))
+    _check(c, kw, "per_head" if seed % 3 else "joint", reduction=reduction)
+
+
+def test_index_head_chunks_agree_and_bf16_inputs():
+    c, kw = make_student_case(2, index_heads=4, dtype=jnp.bfloat16)
+    for chunk in (1, 2, 4):
+        _check(c, kw, "joint", index_head_chunk=chunk)
+
+
+def test_relu_ties_at_zero_take_the_indicator():
+    """q_I . k_I exactly 0 (orthogonal integer vectors): the ReLU's derivative there is 0 (SPEC §8)."""
+    c, kw = make_student_case(3, index_heads=2, index_dim=16)
+    iq = np.zeros((1, 32, 2, 16), np.float32)
+    iq[..., 0] = 1.0  # every query along e0
+    ik = np.asarray(c["index_k"]).copy()
+    ik[0, ::2, 0] = 0.0  # even blocks orthogonal to every query: q . k = 0 exactly
+    c = dict(c, index_q=jnp.asarray(iq), index_k=jnp.asarray(ik))
+    _check(c, kw, "per_head")
+    _, (_, dk, _) = _loss_and_grads(c, kw, target="per_head")
+    assert np.all(np.asarray(dk)[0, ::2] == 0.0)  # no query reaches an orthogonal block through the ReLU
+
+
+def test_teacher_side_gets_exact_zero_gradients():
+    c, kw = make_student_case(4, topk=4)
+
+    def loss(q, kv, window_kv, sinks):
+        return csa_pallas.fused_indexer_distill_loss(c["index_q"], c["index_k"], c["index_weights"], q, kv,
+                                                     **dict(kw, window_kv=window_kv, sinks=sinks),
+                                                     implementation="xla")
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(c["q"], c["compressed_kv"], kw["window_kv"], kw["sinks"])
+    assert all(not np.any(np.asarray(g)) for g in grads)
+
+
+def test_static_zero_scale_is_exact_zero_without_work():
+    c, kw = make_student_case(5)
+    value, grads = _loss_and_grads(c, kw, scale=0.0)
+    assert float(value) == 0.0 and all(not np.any(np.asarray(g)) for g in grads)
+
+
+def test_indexer_scores_masks_outside_the_visible_set():
+    c, kw = make_student_case(6, batch=2, num_docs=2, topk=6)
+    ids = dict(segment_ids=kw["segment_ids"], positions=kw["positions"])
+    args = [np.asarray(c[k], np.float64) for k in ("q", "compressed_kv")]
+    for topk in (None, kw["topk_indices"]):
+        got = np.asarray(csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"],
+                                                   topk_indices=topk, **ids))
+        want = oracle.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], topk)
+        visible = oracle.support(*args, topk_indices=None if topk is None else np.asarray(topk),
+                                 **{k: np.asarray(v) for k, v in ids.items()})
+        assert np.all(np.isneginf(got[~visible]))
+        np.testing.assert_allclose(got[visible], want[visible], rtol=1e-6, atol=1e-6)
+    chunked = csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], index_head_chunk=1, **ids)
+    np.testing.assert_allclose(np.asarray(chunked), got if topk is None else np.asarray(
+        csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], **ids)), rtol=1e-6)
+    with pytest.raises(NotImplementedError, match="implementation='pallas'"):
+        csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], implementation="pallas")
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(index_q=np.zeros((1, 32, 3), np.float32)), ValueError, "index_q: expected rank 4"),
+    (dict(index_q=jnp.zeros((1, 16, 3, 16))), ValueError, "index_q: .*S=32 like q"),
+    (dict(index_k=jnp.zeros((1, 9, 16))), ValueError, "index_k: expected shape .*N of compressed_kv"),
+    (dict(index_k=jnp.zeros((1, 8, 8))), ValueError, "index_k: expected shape"),
+    (dict(index_weights=jnp.zeros((1, 32, 2))), ValueError, "index_weights: expected shape"),
+    (dict(index_weights=jnp.zeros((1, 32, 3), jnp.int32)), TypeError, "index_weights: expected a floating"),
+    (dict(index_q=[[0.0]]), TypeError, "index_q: expected an array"),
+])
+def test_bad_student_inputs_name_the_argument(change, error, match):
+    c, kw = make_student_case(7)
+    c = dict(c, **change)
+    with pytest.raises(error, match=match):
+        csa_pallas.fused_indexer_distill_loss(c["index_q"], c["index_k"], c["index_weights"], c["q"],
+                                              c["compressed_kv"], **kw)
+    with pytest.raises(ValueError, match="index_head_chunk: expected a divisor"):
+        c, kw = make_student_case(7)
+        csa_pallas.fused_indexer_distill_loss(c["index_q"], c["index_k"], c["index_weights"], c["q"],
+                                              c["compressed_kv"], **kw, index_head_chunk=2)
+
+
+def test_indexer_scores_errors_name_the_indexer_arguments():
+    c, _ = make_student_case(8)
+    with pytest.raises(ValueError, match=r"^index_k: expected N = S_kv // compress_ratio"):
+        csa_pallas.indexer_scores(c["index_q"], c["index_k"][:, :3], c["index_weights"],
+                                  kv_segment_ids=jnp.zeros((1, 40), jnp.int32),
+                                  kv_positions=jnp.zeros((1, 40), jnp.int32))
+
+
+def test_sharded_inputs_partition_themselves():
+    """Inputs committed to a (data, seq) mesh: the student runs in XLA (partitioned by jit) and the loss enters
+    `sharding.py` by itself (`csa_pallas.placement`); value and gradients equal the unsharded call."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import platform_select
+    sizes = platform_select.fit_mesh_axes({"data": 2, "seq": 2}, len(jax.devices()))
+    mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes))
+    c, kw = make_student_case(9, batch=2, seq=64, num_docs=2)
+    whole = _loss_and_grads(c, kw, target="per_head", implementation="pallas")
+    rows = lambda x: NamedSharding(mesh, P("data", "seq", *([None] * (x.ndim - 2))))
+    placed = {k: jax.device_put(v, rows(v) if k != "index_k" and k != "compressed_kv" else
+                                NamedSharding(mesh, P("data", None, None))) for k, v in c.items()}
+    kw = dict(kw, **{k: jax.device_put(kw[k], rows(kw[k])) for k in ("segment_ids", "positions", "window_kv")})
+    sharded = _loss_and_grads(placed, kw, target="per_head", implementation="pallas")
+    np.testing.assert_allclose(float(sharded[0]), float(whole[0]), rtol=1e-6)
+    for got, want in zip(sharded[1], whole[1]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
+def test_flax_modules_take_the_indexer_tensors():
+    from csa_pallas import nn as csa_nn
+    c, kw = make_student_case(10)
+    args = [c[k] for k in ("index_q", "index_k", "index_weights", "q", "compressed_kv")]
+    arrays = dict(window_kv=kw["window_kv"], sinks=kw["sinks"])
+    want = float(csa_pallas.fused_indexer_distill_loss(*args, **kw, implementation="xla"))
+    module = csa_nn.CSAIndexerLoss(compress_ratio=4, window_size=8, implementation="xla")
+    assert float(module.fused(*args, **arrays)) == want
+    linen = csa_nn.CSAIndexerLossLinen(compress_ratio=4, window_size=8, implementation="xla")
+    value, state = linen.apply({}, *args, **arrays, method="fused", mutable=["intermediates"])
+    assert float(value) == want
+    assert float(csa_nn.collect_indexer_losses(state["intermediates"])[0]) == want
+    with pytest.raises(TypeError, match="windw_kv: not an argument"):
+        module.fused(*args, windw_kv=kw["window_kv"])
