@@ -39,9 +39,10 @@ def input_structs(seq, *, width=512, batch=1, heads=64, head_dim=512, ratio=4, d
             aot.struct((batch, seq, head_dim), dtype), aot.struct((heads,), jnp.float32))
 
 
-@pytest.mark.parametrize("seq", [4096, 32768, 131072])
-@pytest.mark.parametrize("target", ["per_head", "joint"])
-def test_sparse_flash_shape_forward_backward_compiles_within_memory_bound(seq, target):
+# per_head at S = 4096 (the visit path) is compiled by tests/test_platform.py, within a tighter bound.
+@pytest.mark.parametrize("target, seq", [("joint", 4096), ("per_head", 32768), ("joint", 32768),
+                                         ("per_head", 131072), ("joint", 131072)])
+def test_sparse_flash_shape_forward_backward_compiles_within_memory_bound(target, seq):
     require_libtpu()
     path = "visit" if seq == 4096 else "gather"
     report = aot.compile_memory(sparse_program(target, expect_path=path), *input_structs(seq))
