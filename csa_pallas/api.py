@@ -240,20 +240,15 @@ def _student_problem(index_q, index_k, **kwargs):
         raise
 
 
+@teacher_args.takes_teacher_args(only=("topk_indices", "segment_ids", "positions", "kv_segment_ids", "kv_positions",
+                                        "loss_mask", "compress_ratio", "implementation"))
 def indexer_scores(
     index_q: jax.Array,
     index_k: jax.Array,
     index_weights: jax.Array,
     *,
-    topk_indices=None,
-    segment_ids=None,
-    positions=None,
-    kv_segment_ids=None,
-    kv_positions=None,
-    loss_mask=None,
-    compress_ratio: int = 4,
+    teacher: dict,
     index_head_chunk: Optional[int] = None,
-    implementation: Optional[str] = None,
 ) -> jax.Array:
     """The lightning indexer's scores I (SPEC §8), f32, -inf outside V(t): what a model's top-k selection reads and
     the student of the distillation loss.
@@ -272,10 +267,8 @@ def indexer_scores(
     """
     from csa_pallas import student as student_lib
     st = student_lib.validate_student(index_q, index_k, index_weights, index_head_chunk=index_head_chunk)
-    problem = _student_problem(st.index_q, st.index_k, topk_indices=topk_indices, segment_ids=segment_ids,
-                               positions=positions, kv_segment_ids=kv_segment_ids, kv_positions=kv_positions,
-                               loss_mask=loss_mask, compress_ratio=compress_ratio, implementation=implementation)
-    if implementation == "pallas":
+    problem = _student_problem(st.index_q, st.index_k, **teacher)
+    if teacher["implementation"] == "pallas":
         raise NotImplementedError("implementation='pallas': indexer_scores has no Pallas kernel yet; use None or "
                                   "'xla' (the head-chunked XLA student)")
     return student_lib.masked_scores(st, problem)

@@ -35,9 +35,16 @@ DOC = """\
       implementation: None, "xla" or "pallas" (`csa_pallas.api`)."""
 
 
-def takes_teacher_args(fn):
+def takes_teacher_args(fn=None, *, only=None):
     """Decorator: fn(<positional>, *, teacher: dict, <own keywords>) becomes fn(<positional>, *, <the teacher
-    keyword arguments>, <own keywords>); the caller's teacher arguments (defaults filled in) reach fn as `teacher`."""
+    keyword arguments>, <own keywords>); the caller's teacher arguments (defaults filled in) reach fn as `teacher`.
+    only: a subset of the names (in their declared order), for an op that takes some of them."""
+    if fn is None:
+        return functools.partial(takes_teacher_args, only=only)
+    unknown = set(only or ()) - set(NAMES)
+    if unknown:
+        raise TypeError(f"takes_teacher_args({fn.__name__}): {sorted(unknown)} are not teacher arguments")
+    parameters = [p for p in PARAMETERS if only is None or p.name in only]
     sig = inspect.signature(fn)
     own = [p for p in sig.parameters.values() if p.name != "teacher"]
     clash = set(NAMES) & {p.name for p in own}
@@ -48,10 +55,10 @@ def takes_teacher_args(fn):
 
     @functools.wraps(fn)
     def with_teacher_args(*args, **kwargs):
-        teacher = {p.name: kwargs.pop(p.name, p.default) for p in PARAMETERS}
+        teacher = {p.name: kwargs.pop(p.name, p.default) for p in parameters}
         return fn(*args, teacher=teacher, **kwargs)
 
-    with_teacher_args.__signature__ = sig.replace(parameters=positional + list(PARAMETERS) + keyword)
+    with_teacher_args.__signature__ = sig.replace(parameters=positional + parameters + keyword)
     if fn.__doc__:
         with_teacher_args.__doc__ = fn.__doc__.replace("{teacher_args}", DOC.strip("\n").lstrip())
     return with_teacher_args

@@ -236,3 +236,15 @@ def test_flax_modules_take_the_indexer_tensors():
     assert float(csa_nn.collect_indexer_losses(state["intermediates"])[0]) == want
     with pytest.raises(TypeError, match="windw_kv: not an argument"):
         module.fused(*args, windw_kv=kw["window_kv"])
+
+
+def test_signatures_show_the_declared_teacher_arguments():
+    import inspect
+    scores = inspect.signature(csa_pallas.indexer_scores).parameters
+    assert list(scores)[:4] == ["index_q", "index_k", "index_weights", "topk_indices"]
+    assert scores["compress_ratio"].default == 4 and "window_kv" not in scores and "teacher" not in scores
+    fused = inspect.signature(csa_pallas.fused_indexer_distill_loss).parameters
+    assert {"window_kv", "loss_mask", "target", "query_chunk", "index_head_chunk"} <= set(fused)
+    with pytest.raises(TypeError, match="window_kv"):
+        c, _ = make_student_case(13)
+        csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], window_kv=c["q"])
