@@ -81,10 +81,13 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
         out.append((f"fwd+bwd fused_indexer_distill_loss per_head (query-chunked, index head chunk {c})",
                     "fwd+bwd", fused_student, student_names))
 
-        def maxtext_indexer(iq, ik, iw, q, kv, c=c):
-            return jax.value_and_grad(lambda *x: maxtext_indexer_loss(*x, q, kv, c), argnums=(0, 1, 2))(iq, ik, iw)
-        out.append((f"fwd+bwd xla indexer baseline (MaxText bf16 numerics, index head chunk {c}) + pallas per_head "
-                    "loss", "fwd+bwd", maxtext_indexer, student_names))
+        for matmul, name in (("native", "xla indexer baseline (MaxText bf16 numerics"),
+                             ("exact", "exact xla student (split bf16 passes")):
+            def indexer(iq, ik, iw, q, kv, c=c, matmul=matmul):
+                return jax.value_and_grad(lambda *x: xla_student_loss(*x, q, kv, c, matmul),
+                                          argnums=(0, 1, 2))(iq, ik, iw)
+            out.append((f"fwd+bwd {name}, index head chunk {c}) + pallas per_head loss", "fwd+bwd", indexer,
+                        student_names))
     for c in chunks:
         def base(logits, q, kv, c=c):
             return jax.value_and_grad(lambda y: xla_baseline.dense_loss(y, q, kv, compress_ratio=m,
@@ -93,14 +96,16 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
     return out
 
 
-def maxtext_indexer_loss(index_q, index_k, index_weights, q, kv, index_head_chunk: int):
-    """Issue 17's baseline: a MaxText-style XLA indexer (einsum -> ReLU -> weighted head sum in bf16 with f32
-    accumulation, head-chunked scan under jax.checkpoint, PR #5116) feeding `csa_pallas.indexer_distill_loss`."""
+def xla_student_loss(index_q, index_k, index_weights, q, kv, index_head_chunk: int, matmul: str):
+    """An XLA indexer (einsum -> ReLU -> weighted head sum, head-chunked scan under jax.checkpoint, PR #5116)
+    feeding `csa_pallas.indexer_distill_loss` with the whole [B, S, N] scores. matmul "native": issue 17's
+    MaxText-style baseline (bf16 at the MXU's default precision, f32 accumulation); "exact": csa_pallas's student
+    (`student.scores`)."""
     import csa_pallas
     from csa_pallas import student, validation
     problem = validation.validate(q, kv, compress_ratio=SHAPE.ratio, target="per_head")
     st = student.validate_student(index_q, index_k, index_weights, index_head_chunk=index_head_chunk)
-    logits = student.scores(st, problem, matmul="native")
+    logits = student.scores(st, problem, matmul=matmul)
     return csa_pallas.indexer_distill_loss(logits, q, kv, compress_ratio=SHAPE.ratio, target="per_head")
 
 

@@ -206,8 +206,8 @@ def run(seqs, widths, baseline: bool, out_dir: str, dense: bool = False, paths=(
                 rows.append(dataclasses.replace(row, mode="dense", derived_us=row.est_us))
                 write(rows, out_dir)
             if baseline:
-                rows.append(estimate(te, baseline_program, structs(seq, width),
-                                     dataclasses.replace(new_row(seq, width, "xla gather baseline", "any"), impl="xla")))
+                base = dataclasses.replace(new_row(seq, width, "xla gather baseline", "any"), impl="xla")
+                rows.append(estimate(te, baseline_program, structs(seq, width), base))
                 write(rows, out_dir)
     return rows
 

@@ -40,7 +40,7 @@ def default_query_chunk(problem: Problem, index_head_chunk: int) -> int:
     s, n = problem.seq_len, max(problem.width, 1)
     per_row = 4 * n * (2 * index_head_chunk + 10)
     # At least MIN_QUERY_CHUNK rows: below, the kernels' query tiles run part-empty and the fixed per-chunk memory
-    # grows (v5p compiles at S = 128K: 254 MiB temp with 16-row chunks, 185 MiB with 64).
+    # grows (v5p compiles at S = 128K: 16-row chunks took ~40% more temp than 64-row ones).
     limit = max(TARGET_CHUNK_BYTES // per_row, MIN_QUERY_CHUNK)
     if s <= limit:
         return s

@@ -2,16 +2,18 @@
 
     I[t, s] = sum_j index_weights[t, j] * ReLU(index_q[t, j] . index_k[s])
 
-`scores` computes I in f32 (f32 accumulation of exact bf16 products; f16 upcast) as a `lax.scan` over chunks of the indexer heads
-that accumulates the head-weighted sum, each step under `jax.checkpoint` (MaxText PR #5116's memory pattern: the
-[B, S, chunk, N] ReLU terms exist one chunk at a time, forward and backward). With every head in one chunk it is
-the plain reference; with a chunk it is also the MaxText-style XLA indexer the benchmarks compare against. The
-derivative of ReLU at exactly 0 is 0 (SPEC §8's indicator [q . k > 0]).
+`scores` computes I in f32 (exact products, f32 accumulation; bf16 inputs through `_split_dots`) as a
+`lax.scan` over chunks of the indexer heads that accumulates the head-weighted sum, each step under
+`jax.checkpoint` (MaxText PR #5116's memory pattern: the [B, S, chunk, N] ReLU terms exist one chunk at a time,
+forward and backward). With every head in one chunk it is the plain reference; with matmul="native" it is the
+MaxText-style XLA indexer the benchmarks compare against. The derivative of ReLU at exactly 0 is 0 (SPEC §8's
+indicator [q . k > 0]).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -85,11 +87,46 @@ def _compute_dtype(student: Student, matmul: str):
     return jnp.float32 if matmul == "exact" or dt == jnp.float16 else dt
 
 
-def _chunk_scores(q_chunk, w_chunk, keys, sparse: bool):
+def _splits(student: Student, matmul: str) -> bool:
+    """"exact" with bf16 indexer queries and keys: `_split_dots` (as exact, a third of the MXU passes)."""
+    return matmul == "exact" and student.index_q.dtype == jnp.bfloat16 and student.index_k.dtype == jnp.bfloat16
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _split_dots(a, b, spec: str):
+    """einsum(spec, a, b) in f32 for f32 operands that hold bf16 values (the exact upcast of bf16 inputs): one
+    bf16 MXU pass (the products are exact, the accumulation f32). The backward splits each f32 cotangent into two
+    bf16 terms (hi + lo, ~2^-17 relative) for two bf16 passes with f32 accumulation, instead of the six passes of
+    a full-precision f32 matmul; the operands' cotangents stay f32 (they accumulate over chunks)."""
+    return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
+def _split_dots_fwd(a, b, spec):
+    return _split_dots(a, b, spec), (a, b)
+
+
+def _split_dots_bwd(spec, residuals, g):
+    a, b = (x.astype(jnp.bfloat16) for x in residuals)
+    operands, out = spec.split("->")
+    a_spec, b_spec = operands.split(",")
+    hi = g.astype(jnp.bfloat16)
+    lo = (g - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    twice = lambda grad_spec, other: sum(jnp.einsum(grad_spec, part, other, preferred_element_type=jnp.float32)
+                                         for part in (hi, lo))
+    return twice(f"{out},{b_spec}->{a_spec}", b), twice(f"{out},{a_spec}->{b_spec}", a)
+
+
+_split_dots.defvjp(_split_dots_fwd, _split_dots_bwd)
+
+
+def _chunk_scores(q_chunk, w_chunk, keys, sparse: bool, split: bool):
     """sum_j w[t, j] ReLU(q[t, j] . k), f32: q_chunk [B, S, c, d_I], w_chunk f32 [B, S, c]."""
-    precision = jax.lax.Precision.HIGHEST if q_chunk.dtype == jnp.float32 else None
     spec = "bsjd,bskd->bsjk" if sparse else "bsjd,bnd->bsjn"
-    dots = jnp.einsum(spec, q_chunk, keys, precision=precision, preferred_element_type=jnp.float32)
+    if split:
+        dots = _split_dots(q_chunk, keys, spec)
+    else:
+        precision = jax.lax.Precision.HIGHEST if q_chunk.dtype == jnp.float32 else None
+        dots = jnp.einsum(spec, q_chunk, keys, precision=precision, preferred_element_type=jnp.float32)
     return jnp.einsum("bsj,bsjn->bsn", w_chunk, jax.nn.relu(dots), precision=jax.lax.Precision.HIGHEST)
 
 
@@ -101,7 +138,8 @@ def scores(student: Student, problem: Problem, matmul: str = "exact") -> jax.Arr
     q = student.index_q.astype(_compute_dtype(student, matmul))
     w = student.index_weights.astype(jnp.float32)
     c, h_i = student.head_chunk, student.num_heads
-    body = jax.checkpoint(lambda q_c, w_c: _chunk_scores(q_c, w_c, keys, problem.sparse))
+    split = _splits(student, matmul)
+    body = jax.checkpoint(lambda q_c, w_c: _chunk_scores(q_c, w_c, keys, problem.sparse, split))
     if c == h_i:
         return body(q, w)
     b, s = q.shape[:2]

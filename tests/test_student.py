@@ -248,3 +248,26 @@ def test_signatures_show_the_declared_teacher_arguments():
     with pytest.raises(TypeError, match="window_kv"):
         c, _ = make_student_case(13)
         csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], window_kv=c["q"])
+
+
+@pytest.mark.parametrize("spec", ["bsjd,bnd->bsjn", "bsjd,bskd->bsjk"])
+def test_split_bf16_matmuls_keep_f32_cotangents(spec):
+    """bf16 indexer inputs: one bf16 pass forward (exact products), two backward (the f32 cotangent as bf16
+    hi + lo): within 1e-5 of float64 (rounding the cotangent to bf16, MaxText's numerics, costs up to 2^-9)."""
+    from csa_pallas import student
+    rng = np.random.default_rng(14)
+    a_shape = (1, 8, 2, 32)
+    b_shape = (1, 16, 32) if spec == "bsjd,bnd->bsjn" else (1, 8, 5, 32)  # dense keys, or keys per slot
+    a = jnp.asarray(rng.standard_normal(a_shape), jnp.bfloat16).astype(jnp.float32)
+    b = jnp.asarray(rng.standard_normal(b_shape), jnp.bfloat16).astype(jnp.float32)
+    out, vjp = jax.vjp(lambda x, y: student._split_dots(x, y, spec), a, b)
+    g = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+    da, db = vjp(g)
+    a64, b64, g64 = (np.asarray(x, np.float64) for x in (a, b, g))
+    np.testing.assert_allclose(np.asarray(out), np.einsum(spec, a64, b64), rtol=1e-6, atol=1e-5)
+    operands, result = spec.split("->")
+    sa, sb = operands.split(",")
+    wants = (np.einsum(f"{result},{sb}->{sa}", g64, b64), np.einsum(f"{result},{sa}->{sb}", g64, a64))
+    for got, want in zip((da, db), wants):
+        assert got.dtype == jnp.float32
+        assert np.max(np.abs(np.asarray(got) - want)) <= 1e-5 * np.max(np.abs(want))
