@@ -260,7 +260,8 @@ def indexer_scores(
       segment_ids, positions, kv_segment_ids, kv_positions, loss_mask, compress_ratio: V(t) as in
         `indexer_distill_loss`.
       index_head_chunk: indexer heads per step of the head-chunked computation (a divisor of H_I; default all).
-      implementation: None or "xla" (the student has no Pallas kernel yet: "pallas" is a NotImplementedError).
+      implementation: None or "xla" (the head-chunked XLA student), or "pallas": the student kernels
+        (`kernels/student_scores.py`; dense mode, inputs on one device; sparse mode is a NotImplementedError).
 
     Returns:
       f32 [B, S, N] (dense) or [B, S, K] (sparse); differentiable wrt the three indexer tensors.
@@ -269,8 +270,17 @@ def indexer_scores(
     st = student_lib.validate_student(index_q, index_k, index_weights, index_head_chunk=index_head_chunk)
     problem = _student_problem(st.index_q, st.index_k, **teacher)
     if teacher["implementation"] == "pallas":
-        raise NotImplementedError("implementation='pallas': indexer_scores has no Pallas kernel yet; use None or "
-                                  "'xla' (the head-chunked XLA student)")
+        if problem.sparse:
+            raise NotImplementedError("implementation='pallas': the student kernels score every block (dense "
+                                      "mode); with topk_indices use None or 'xla' (the XLA student's gather)")
+        from csa_pallas.kernels import student_scores
+        placement.check_kernels_can_run_here(problem)
+        if placement.resolve(st.index_q) is not None:
+            raise ValueError("implementation='pallas': the student kernels run on one device's inputs; on inputs "
+                             "living on a mesh use None or 'xla' (XLA partitions the XLA student)")
+        _, block_end = reference.block_keys(problem)
+        scores = student_scores.scores(st.index_q, st.index_k, st.index_weights, problem.positions, block_end)
+        return jnp.where(reference.support(problem), scores, -jnp.inf)
     return student_lib.masked_scores(st, problem)
 
 
@@ -287,7 +297,7 @@ def fused_indexer_distill_loss(
     scale=1.0,
     index_head_chunk: Optional[int] = None,
     query_chunk: Optional[int] = None,
-    config=None,
+    student="auto",
 ) -> jax.Array:
     """`indexer_distill_loss` with the student given by the indexer's inputs (SPEC §8): I = sum_j w ReLU(q_I . k_I).
 
@@ -301,13 +311,16 @@ def fused_indexer_distill_loss(
         Pallas path the largest divisor <= 8).
       query_chunk: query rows per step of the Pallas path (a divisor of S; default: the largest whose scores stay
         within ~64 MiB per batch row, `fused_student.default_query_chunk`).
-      config: the teacher kernel's variant, on inputs living on a mesh only (the chunked path takes the defaults).
+      student: how the chunked Pallas path computes the scores: "auto" (the student kernels in dense mode, XLA
+        in sparse mode), "pallas" (the kernels; dense mode only), "xla" (`student.scores`), or a
+        `StudentKernelConfig` (the kernels with those tiles). implementation="xla" takes "auto" or "xla".
 
-    The student is computed in XLA (`student.scores`: exact f32 products, a head-chunked scan under
-    `jax.checkpoint`). Pallas path on one device: the loss is taken over chunks of query rows
-    (`fused_student.loss`), each chunk's scores feeding the teacher + fused KL kernel and recomputed in the
-    backward, so no [B, S, N] array exists. Inputs on a multi-device mesh: the scores enter `indexer_distill_loss`
-    whole (it partitions itself). "xla": the reference throughout.
+    Pallas path: the loss is taken over chunks of query rows (`fused_student`), each chunk's scores (the student
+    kernels, `kernels/student_scores.py`: the ReLU terms stay in VMEM, forward and backward) feeding the teacher +
+    fused KL kernel, with the gradient taken in the forward pass for scalar reductions, so no [B, S, N] array
+    exists. Inputs on a multi-device mesh: the same per device through `sharded_fused_indexer_distill_loss`, with
+    the mesh axes read off the inputs (`csa_pallas.placement`). "xla": the reference throughout (`student.scores`
+    and `indexer_distill_loss`'s reference, partitioned by XLA).
 
     Returns:
       f32 scalar, or f32 [B, S] for reduction="none".
@@ -319,22 +332,31 @@ def fused_indexer_distill_loss(
                                       index_head_chunk=index_head_chunk)
     validation.check_reduction_args(reduction, scale)
     implementation = choose_implementation(problem)
-    check_config(config, implementation)
+    from csa_pallas import fused_student
+    use_kernels, _ = fused_student.resolve_student(student, problem)
+    if use_kernels and implementation != "pallas" and student != "auto":
+        raise ValueError(f"student: the student kernels run on the Pallas path; with implementation="
+                         f"{implementation!r} take 'auto' or 'xla', got {student!r}")
     if validation.switched_off(scale):  # SPEC §4: exact zeros (and zero gradients), nothing computed
         b, s = problem.batch, problem.seq_len
         return jnp.zeros((b, s), jnp.float32) if reduction == "none" else jnp.float32(0.0)
     empty = empty_result(problem, reduction)
     if empty is not None:
         return empty
-    if implementation == "pallas" and placement.resolve(problem.q) is None:
-        if config is not None:
-            raise ValueError("config: the fused student's query-chunked path runs the kernels' default variants; "
-                             "drop config")
-        from csa_pallas import fused_student
-        placement.check_kernels_can_run_here(problem)
-        if index_head_chunk is None:
-            st = dataclasses.replace(st, head_chunk=fused_student.default_index_head_chunk(st.num_heads))
-        return fused_student.loss(st, problem, reduction=reduction, scale=scale, query_chunk=query_chunk)
-    logits = student_lib.scores(st, problem)
-    return indexer_distill_loss(logits, q, compressed_kv, **teacher, reduction=reduction, scale=scale,
-                                config=config)
+    if implementation == "xla":
+        return indexer_distill_loss(student_lib.scores(st, problem), q, compressed_kv, **teacher,
+                                    reduction=reduction, scale=scale)
+
+    def run_sharded(mesh, axes):
+        from csa_pallas import sharded_student
+        return sharded_student.sharded_fused_indexer_distill_loss(
+            mesh, index_q, index_k, index_weights, q, compressed_kv, **axes, **teacher, reduction=reduction,
+            scale=scale, index_head_chunk=index_head_chunk, query_chunk=query_chunk, student=student)
+    placed = _placed(problem, None, run_sharded)
+    if placed is not None:
+        return placed
+    placement.check_kernels_can_run_here(problem)
+    if index_head_chunk is None:
+        st = dataclasses.replace(st, head_chunk=fused_student.default_index_head_chunk(st.num_heads))
+    return fused_student.loss(st, problem, reduction=reduction, scale=scale, query_chunk=query_chunk,
+                              student=student)

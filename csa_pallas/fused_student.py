@@ -1,19 +1,32 @@
 """The fused student's Pallas path (SPEC §8): the loss over query chunks, so no [B, S, N] array exists.
 
 A `lax.scan` walks the queries in chunks of `query_chunk` rows. Each step computes the chunk's student scores
-(`student.scores`, XLA) and its per-row KL with the teacher + fused KL kernel (`plans.Plan.fused_kl_rows`: P stays
-in VMEM), under `jax.checkpoint`: the backward recomputes the chunk's scores and runs the kernel's backward for the
-chunk alone. What exists at any time is [B, query_chunk, N] (scores, their gradient) plus the student's
-[B, query_chunk, index_head_chunk, N] ReLU terms, whatever S is. The KL is row-local, so a chunk's rows need only
-its own queries against every key; u (the window LSE of the joint target) is computed once for all queries by the
+(dense mode: the student kernels, `kernels/student_scores.py`, which keep the [rows, H_I, N] ReLU terms in VMEM
+forward and backward; sparse mode or student="xla": `student.scores`, XLA) and its per-row KL with the teacher +
+fused KL kernel (`plans.Plan.fused_kl_rows`: P stays in VMEM). The KL is row-local, so a chunk's rows need only its
+own queries against every key; u (the window LSE of the joint target) is computed once for all queries by the
 window kernel before the scan (it needs each query's preceding keys).
 
-The chunk problems carry explicit key-side ids (the chunk's rows are not the key sequence), so the kernels take
-their metadata-table schedule, as with packed documents.
+Two ways to the gradient:
+  * Scalar reductions ("mean", "mean_all", "sum"): the gradient in the forward pass. The loss is
+    weight * sum_t KL_t with one weight for every row, so under differentiation each step takes the fused KL
+    kernel's G = d KL_t / d I (emitted by the same launch) straight through the student's backward and keeps
+    d sum_t KL_t / d (index_q, index_k, index_weights); the custom_vjp's backward only scales them by the
+    cotangent. One teacher launch and one student forward + backward per chunk, nothing recomputed.
+  * reduction="none" (a cotangent per row, unknown in the forward): each step under `jax.checkpoint`; the backward
+    recomputes the chunk's scores and teacher and runs the kernels' backward for the chunk alone.
+What exists at any time is [B, query_chunk, N] (scores, their gradient) plus, with the XLA student, its
+[B, query_chunk, index_head_chunk, N] ReLU terms, whatever S is.
+
+With more than one chunk the chunk problems carry explicit key-side ids (the chunk's rows are not the key
+sequence), so the kernels take their metadata-table schedule, as with packed documents; one chunk is the problem
+itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -21,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from csa_pallas import plans, reference, student as student_lib, validation
+from csa_pallas.kernels import student_scores
 from csa_pallas.validation import Problem
 
 TARGET_CHUNK_BYTES = 64 << 20  # the scores of one chunk, their gradient and the student terms, per batch row
@@ -35,8 +49,9 @@ def default_index_head_chunk(num_index_heads: int) -> int:
 
 def default_query_chunk(problem: Problem, index_head_chunk: int) -> int:
     """The largest divisor of S (a multiple of 8, or S itself) whose chunk keeps one batch row's f32 [chunk, N]
-    arrays within TARGET_CHUNK_BYTES: measured on v5p compiles, ~2 index_head_chunk + 10 of them (the student's
-    ReLU terms and dot products with their gradients, the scores and theirs, the kernel's operands)."""
+    arrays within TARGET_CHUNK_BYTES: measured on v5p compiles, ~2 index_head_chunk + 10 of them (the XLA
+    student's ReLU terms and dot products with their gradients, the scores and theirs, the kernel's operands;
+    index_head_chunk=0 for the student kernels, which keep their terms in VMEM)."""
     s, n = problem.seq_len, max(problem.width, 1)
     per_row = 4 * n * (2 * index_head_chunk + 10)
     # At least MIN_QUERY_CHUNK rows: below, the kernels' query tiles run part-empty and the fixed per-chunk memory
@@ -66,39 +81,170 @@ def _chunk_problem(problem: Problem, rows: dict) -> Problem:
         implementation="pallas", **stats)
 
 
-def loss(st: student_lib.Student, problem: Problem, *, reduction: str, scale, query_chunk: Optional[int] = None):
-    """The fused student's loss through the kernels, chunk by chunk (module docstring); the reduction of
-    `reference.reduce_rows`. Differentiable wrt the student's three tensors."""
-    from csa_pallas import ops
-    chunk = default_query_chunk(problem, st.head_chunk) if query_chunk is None else _check_query_chunk(
-        query_chunk, problem.seq_len)
-    rows = dict(q=problem.q, segment_ids=problem.segment_ids, positions=problem.positions,
-                index_q=st.index_q, index_weights=st.index_weights)
-    for name in ("topk_indices", "loss_mask", "noncompressed_lse", "full_lse"):
-        if getattr(problem, name) is not None:
-            rows[name] = getattr(problem, name)
-    if problem.target == "joint" and problem.full_lse is None and problem.noncompressed_lse is None:
-        rows["noncompressed_lse"] = lax.stop_gradient(ops.noncompressed_lse(problem))
-    num_chunks = problem.seq_len // chunk
-    # The student's row inputs are scanned over (their gradients come back stacked, chunk by chunk); the teacher's
-    # are sliced in place (no gradient, and no relayout copy of q).
-    scanned = {k: rows.pop(k) for k in ("index_q", "index_weights")}
-    scanned = {k: jnp.moveaxis(v.reshape(v.shape[0], num_chunks, chunk, *v.shape[2:]), 1, 0)
-               for k, v in scanned.items()}
+STUDENTS = ("auto", "pallas", "xla")
 
-    @jax.checkpoint
-    def chunk_rows(index_k, start, part):
-        part = dict(part, **{k: lax.dynamic_slice_in_dim(v, start, chunk, axis=1) for k, v in rows.items()})
-        shard = _chunk_problem(problem, part)
-        local = student_lib.Student(part["index_q"], index_k, part["index_weights"], st.head_chunk)
-        logits = student_lib.scores(local, shard)
+
+def resolve_student(student, problem: Problem):
+    """student ("auto", "pallas", "xla" or a `StudentKernelConfig`) -> (use the kernels, the forced config or
+    None). "auto": the kernels in dense mode (the sparse student gathers index_k rows in XLA)."""
+    forced = student if isinstance(student, student_scores.StudentKernelConfig) else None
+    if forced is None:
+        validation.check_choice("student", student, STUDENTS)
+        if student == "xla" or (student == "auto" and problem.sparse):
+            return False, None
+    if problem.sparse:
+        raise ValueError("student: the student kernels cover dense mode; sparse mode (topk_indices) takes "
+                         "student='auto' or 'xla'")
+    return True, forced
+
+
+# The Problem fields that hold arrays: they travel into the custom_vjp as arguments (a static template keeps the
+# rest), so nothing traced is closed over.
+_ARRAY_FIELDS = ("q", "compressed_kv", "segment_ids", "positions", "kv_segment_ids", "kv_positions", "topk_indices",
+                 "window_kv", "sinks", "noncompressed_lse", "full_lse", "loss_mask")
+_ROW_FIELDS = ("q", "segment_ids", "positions", "topk_indices", "loss_mask", "noncompressed_lse", "full_lse")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunks:
+    """The static side of one chunked loss: the problem without its arrays, the chunking and the student."""
+
+    template: Problem  # every _ARRAY_FIELDS entry None
+    num_chunks: int
+    chunk: int
+    kernel_config: Optional[student_scores.StudentKernelConfig]  # None: the XLA student
+    index_head_chunk: int
+
+
+def _stack_chunks(x, num_chunks: int, chunk: int):
+    """[B, S, ...] -> [S / chunk, B, chunk, ...] (what the scan walks)."""
+    return jnp.moveaxis(x.reshape(x.shape[0], num_chunks, chunk, *x.shape[2:]), 1, 0)
+
+
+def _unstack_chunks(x):
+    """[S / chunk, B, chunk, ...] -> [B, S, ...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, with_gradient: bool):
+    """Per-row KL [B, S] and non-empty rows [B, S] (differentiable by JAX, each step rematerialised); with_gradient:
+    also d sum_t KL_t / d (index_q, index_k, index_weights), computed in this pass (index_q's dtype; index_k f32
+    for the student kernels, its own dtype for the XLA student; index_weights' dtype)."""
+    problem = dataclasses.replace(ctx.template, **teacher)
+    _, block_end = reference.block_keys(problem)
+    rows = {name: teacher[name] for name in _ROW_FIELDS if name in teacher}
+    chunk, num_chunks = ctx.chunk, ctx.num_chunks
+    kernels = ctx.kernel_config is not None
+    # The student kernels' keys enter as f32 (an exact upcast) so their cotangent sums over chunks in f32; the MXU
+    # still takes bf16 values when both indexer inputs are bf16 (operands=).
+    keys = index_k.astype(jnp.float32) if kernels else index_k
+    operands = student_scores.operand_dtype(index_q.dtype, index_k.dtype)
+    scanned = (_stack_chunks(index_q, num_chunks, chunk), _stack_chunks(index_weights, num_chunks, chunk))
+
+    def chunk_shard(part):
+        # One chunk: the problem itself (default ids keep the kernels' causal schedule, computed from the grid).
+        if num_chunks == 1:
+            return dataclasses.replace(problem, noncompressed_lse=part.get("noncompressed_lse"))
+        return _chunk_problem(problem, part)
+
+    def student_fn(part, shard, q_rows, k, w_rows):
+        if not kernels:
+            return student_lib.scores(student_lib.Student(q_rows, k, w_rows, ctx.index_head_chunk), shard)
+        return student_scores.scores(q_rows, k, w_rows, part["positions"], block_end, ctx.kernel_config,
+                                     operands=operands)
+
+    def chunk_rows(start, q_rows, k, w_rows):
+        part = {name: lax.dynamic_slice_in_dim(v, start, chunk, axis=1) for name, v in rows.items()}
+        shard = chunk_shard(part)
         plan = plans.plan_for(shard)
-        return plan.fused_kl_rows(logits, shard, plan.layout(shard, kl_logits_dtype=logits.dtype))
+        fn = functools.partial(student_fn, part, shard)
+        if not with_gradient:
+            logits = fn(q_rows, k, w_rows)
+            return plan.fused_kl_rows(logits, shard, plan.layout(shard, kl_logits_dtype=logits.dtype))
+        logits, student_vjp = jax.vjp(fn, q_rows, k, w_rows)
+        kl, nonempty, grad = plan.fused_kl_rows(logits, shard, plan.layout(shard, kl_logits_dtype=logits.dtype),
+                                                with_gradient=True)
+        return (kl, nonempty), student_vjp(grad)
 
-    def step(carry, xs):
-        start, part = xs
-        return carry, chunk_rows(st.index_k, start, part)
+    starts = jnp.arange(num_chunks) * chunk
+    if not with_gradient:
+        remat = jax.checkpoint(chunk_rows)  # the backward recomputes one chunk at a time
+        _, (kl, nonempty) = lax.scan(lambda c, xs: (c, remat(xs[0], xs[1], keys, xs[2])), None,
+                                     (starts, *scanned))
+        return _unstack_chunks(kl), _unstack_chunks(nonempty)
 
-    _, (kl, nonempty) = lax.scan(step, None, (jnp.arange(num_chunks) * chunk, scanned))
-    unstack = lambda x: jnp.moveaxis(x, 0, 1).reshape(problem.batch, problem.seq_len)
-    return reference.reduce_rows(unstack(kl), unstack(nonempty), reduction, scale)
+    def step(dk_total, xs):
+        (kl, nonempty), (dq, dk, dw) = chunk_rows(xs[0], xs[1], keys, xs[2])
+        return dk_total + dk, (kl, nonempty, dq, dw)
+
+    dk_total, out = lax.scan(step, jnp.zeros(keys.shape, keys.dtype), (starts, *scanned))
+    kl, nonempty, dq, dw = (_unstack_chunks(x) for x in out)
+    return kl, nonempty, (dq, dk_total, dw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kl_sum(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict):
+    """(sum_t KL_t, non-empty rows [B, S]); differentiable wrt the student's three tensors (the gradient taken in
+    the forward pass, see the module docstring); the teacher's arrays get exact zero cotangents."""
+    kl, nonempty = _scan_rows(ctx, index_q, index_k, index_weights, teacher, with_gradient=False)
+    return jnp.sum(kl), nonempty
+
+
+def _kl_sum_fwd(ctx, index_q, index_k, index_weights, teacher):
+    kl, nonempty, grads = _scan_rows(ctx, index_q, index_k, index_weights, teacher, with_gradient=True)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (index_q, index_k, index_weights, teacher))
+    return (jnp.sum(kl), nonempty), (grads, like)
+
+
+def _kl_sum_bwd(ctx, residuals, cotangents):
+    grads, (q_like, k_like, w_like, teacher_like) = residuals
+    ct = cotangents[0]
+    # One rounding more for 16-bit inputs when ct is not a power of two (the kernel rounded its f32 gradient once).
+    out = tuple((ct * g.astype(jnp.float32)).astype(like.dtype) for g, like in zip(grads, (q_like, k_like, w_like)))
+    zeros = jax.tree.map(lambda like: jnp.zeros(like.shape, like.dtype), teacher_like)  # SPEC §8: exact zeros
+    return out + (zeros,)
+
+
+_kl_sum.defvjp(_kl_sum_fwd, _kl_sum_bwd)
+
+
+def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student):
+    """(the static `_Chunks`, the teacher's arrays) of one chunked loss; u computed here for a joint target."""
+    from csa_pallas import ops
+    use_kernels, forced = resolve_student(student, problem)
+    chunk = default_query_chunk(problem, 0 if use_kernels else st.head_chunk) if query_chunk is None else (
+        _check_query_chunk(query_chunk, problem.seq_len))
+    kernel_config = None
+    if use_kernels:
+        kernel_config = forced or student_scores.default_config(seq_len=chunk, num_blocks=problem.num_blocks)
+    if problem.target == "joint" and problem.full_lse is None and problem.noncompressed_lse is None:
+        problem = dataclasses.replace(problem, noncompressed_lse=lax.stop_gradient(ops.noncompressed_lse(problem)))
+    teacher = {name: getattr(problem, name) for name in _ARRAY_FIELDS if getattr(problem, name) is not None}
+    template = dataclasses.replace(problem, **dict.fromkeys(_ARRAY_FIELDS))
+    return _Chunks(template, problem.seq_len // chunk, chunk, kernel_config, st.head_chunk), teacher
+
+
+def kl_total(st: student_lib.Student, problem: Problem, *, query_chunk: Optional[int] = None, student="auto"):
+    """(sum_t KL_t f32 scalar, non-empty rows bool [B, S]): the gradient taken in the forward pass (module
+    docstring); what every scalar reduction is made of."""
+    ctx, teacher = _prepare(st, problem, query_chunk, student)
+    return _kl_sum(ctx, st.index_q, st.index_k, st.index_weights, teacher)
+
+
+def kl_rows(st: student_lib.Student, problem: Problem, *, query_chunk: Optional[int] = None, student="auto"):
+    """(per-row KL f32 [B, S], non-empty rows bool [B, S]), differentiated through the rematerialised scan (for
+    per-row cotangents)."""
+    ctx, teacher = _prepare(st, problem, query_chunk, student)
+    return _scan_rows(ctx, st.index_q, st.index_k, st.index_weights, teacher, with_gradient=False)
+
+
+def loss(st: student_lib.Student, problem: Problem, *, reduction: str, scale, query_chunk: Optional[int] = None,
+         student="auto"):
+    """The fused student's loss through the kernels, chunk by chunk (module docstring); the reduction of
+    `reference.reduce_rows`. Differentiable wrt the student's three tensors. student: see `resolve_student`."""
+    if reduction == "none":  # a cotangent per row: autodiff through the rematerialised scan
+        kl, nonempty = kl_rows(st, problem, query_chunk=query_chunk, student=student)
+        return reference.reduce_rows(kl, nonempty, reduction, scale)
+    total, nonempty = kl_total(st, problem, query_chunk=query_chunk, student=student)
+    return reference.reduce_total(total, nonempty, reduction, scale)

@@ -43,6 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from csa_pallas import api
+from csa_pallas import sharded_student
 from csa_pallas import sharding
 from csa_pallas.validation import IMPLEMENTATIONS, REDUCTIONS, TARGETS
 
@@ -239,12 +240,11 @@ def _compute_loss(cfg: IndexerLossConfig, student: tuple, q, compressed_kv, *, t
     if loss_mask is None and cfg.padding_segment_id is not None and segment_ids is not None:
         loss_mask = jnp.asarray(segment_ids) != cfg.padding_segment_id
     fused = len(student) == 3
-    if cfg.mesh is not None and fused:
-        raise ValueError("mesh: the fused student (index_q, index_k, index_weights) has no sharded entry point yet; "
-                         "drop mesh= (on sharded inputs the plain op partitions itself) or pass indexer_logits")
     if cfg.mesh is not None:
-        run = functools.partial(sharding.sharded_indexer_distill_loss, cfg.mesh, batch_axes=cfg.batch_axes,
-                                head_axis=cfg.head_axis, seq_axis=cfg.seq_axis)
+        sharded = sharded_student.sharded_fused_indexer_distill_loss if fused else (
+            sharding.sharded_indexer_distill_loss)
+        run = functools.partial(sharded, cfg.mesh, batch_axes=cfg.batch_axes, head_axis=cfg.head_axis,
+                                seq_axis=cfg.seq_axis)
     else:
         run = api.fused_indexer_distill_loss if fused else api.indexer_distill_loss
     return run(

@@ -305,11 +305,11 @@ def _dense_fused(inputs: TeacherInputs, layout: DenseLayout, problem: Problem, k
 
 
 def fused_kl_rows(indexer_logits, inputs: TeacherInputs, layout: DenseLayout, problem: Problem,
-                  kl_chunk: int = fused_kl.FusedKL.chunk):
+                  kl_chunk: int = fused_kl.FusedKL.chunk, with_gradient: bool = False):
     """Dense mode: per-row KL [B, S] and non-empty mask [B, S] from the teacher kernel with the fused KL (P stays
-    in VMEM). kl_chunk: lanes per epilogue step (see `fused_kl.FusedKL`)."""
+    in VMEM). kl_chunk: lanes per epilogue step (see `fused_kl.FusedKL`); with_gradient: see `fused_rows`."""
     static, operands, padded = _dense_fused(inputs, layout, problem, kl_chunk)
-    return fused_rows(indexer_logits, static, operands, **padded)
+    return fused_rows(indexer_logits, static, operands, **padded, with_gradient=with_gradient)
 
 
 def fused_kl_loss(indexer_logits, inputs: TeacherInputs, layout: DenseLayout, problem: Problem, row_weight: float,

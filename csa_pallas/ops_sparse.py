@@ -317,15 +317,16 @@ class _FusedSparse:
 
 
 def fused_kl_rows(indexer_logits, problem: Problem, layout: SparseLayout,
-                  kl_chunk: int = fused_kl.FusedKL.chunk):
+                  kl_chunk: int = fused_kl.FusedKL.chunk, with_gradient: bool = False):
     """Per-row KL over the K slots [B, S] and the non-empty mask [B, S] from the sparse teacher kernel (either
-    path) with the fused KL (P stays in VMEM; V(t) = the row's valid slots)."""
+    path) with the fused KL (P stays in VMEM; V(t) = the row's valid slots). with_gradient: see
+    `loss_vjp.fused_rows`."""
     mode, operands = kernel_operands(problem, layout)
     chunk = getattr(layout.cfg, "kl_chunk", None) or kl_chunk  # GatherConfig has no kl_chunk field
     static = loss_vjp.FusedStatic(_FusedSparse(layout), mode, layout.cfg, layout.schedule, problem.softmax_scale,
                                   problem.seq_len, runtime.interpret_mode(), chunk)
     return loss_vjp.fused_rows(indexer_logits, static, operands, padded_seq=layout.padded_seq,
-                               padded_width=layout.padded_width)
+                               padded_width=layout.padded_width, with_gradient=with_gradient)
 
 
 def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0, cfg=None):

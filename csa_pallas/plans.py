@@ -4,7 +4,9 @@ without knowing which it is.
 A plan answers, for a validated `Problem`:
   layout(problem, kl_logits_dtype=None)           the padded shapes, tiles and metadata of the mode's kernels
   teacher(problem, layout, normalize, reduce_low) P padded [B, S_p, W_p]; normalize=False: (head sum, row max M)
-  fused_kl_rows(logits, problem, layout)          per-row KL [B, S] and non-empty rows [B, S], P kept in VMEM
+  fused_kl_rows(logits, problem, layout, with_gradient=False)
+                                                  per-row KL [B, S] and non-empty rows [B, S], P kept in VMEM
+                                                  (with_gradient: also d sum_t KL_t / d logits, f32 [B, S, W])
   kl_rows(logits, target, layout)                 the same from a materialised, padded P
   normalize(head_sum)                             a head sum reduced over shards -> P (`finish_head_sum` pads it)
   valid_entries(head_sum)                         where a head sum holds a real entry (sparse: empty slots < 0)
@@ -32,7 +34,7 @@ class Plan:
     name: str
     layout: Callable  # (problem, kl_logits_dtype=None) -> layout
     teacher: Callable  # (problem, layout, normalize=True, reduce_low=None) -> P padded, or (head sum, M)
-    fused_kl_rows: Callable  # (logits, problem, layout) -> (rows, nonempty)
+    fused_kl_rows: Callable  # (logits, problem, layout, with_gradient=False) -> (rows, nonempty[, gradient])
     kl_rows: Callable  # (logits, target padded, layout) -> (rows, nonempty)
     normalize: Callable  # head sum over all heads -> P
     padded_width: Callable  # layout -> W_p
@@ -44,8 +46,8 @@ DENSE = Plan(
     name="dense",
     layout=lambda problem, kl_logits_dtype=None: ops.dense_layout(problem, kl_logits_dtype=kl_logits_dtype),
     teacher=ops.teacher_padded,
-    fused_kl_rows=lambda logits, problem, layout: ops.fused_kl_rows(logits, ops.teacher_inputs(problem, layout),
-                                                                    layout, problem),
+    fused_kl_rows=lambda logits, problem, layout, with_gradient=False: ops.fused_kl_rows(
+        logits, ops.teacher_inputs(problem, layout), layout, problem, with_gradient=with_gradient),
     kl_rows=ops.kl_rows,
     normalize=teacher_kernel.normalize_rows,
     padded_width=lambda layout: layout.padded_blocks,

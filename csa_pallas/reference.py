@@ -180,13 +180,18 @@ def kl_rows(indexer_logits, target, valid):
 def reduce_rows(rows, nonempty, reduction: str, scale):
     """SPEC §4 reduction of the per-row KL [B, S] times `scale`."""
     if reduction == "none":
-        out = rows
-    elif reduction == "sum":
-        out = jnp.sum(rows)
+        return rows * scale
+    return reduce_total(jnp.sum(rows), nonempty, reduction, scale)
+
+
+def reduce_total(total, nonempty, reduction: str, scale):
+    """A scalar reduction (SPEC §4) from sum_t KL_t and the non-empty rows bool [B, S], times `scale`."""
+    if reduction == "sum":
+        out = total
     elif reduction == "mean_all":
-        out = jnp.sum(rows) / rows.size
+        out = total / nonempty.size
     else:  # "mean": over the rows with a non-empty V(t)
-        out = jnp.sum(rows) / jnp.maximum(1.0, jnp.sum(nonempty.astype(jnp.float32)))
+        out = total / jnp.maximum(1.0, jnp.sum(nonempty.astype(jnp.float32)))
     return out * scale
 
 

@@ -2,7 +2,7 @@
 
 The loss and all three indexer gradients (the chain rule from SPEC §5's dI) within 1e-6 (loss, absolute) and 1e-6
 relative to each gradient's max, for the reference (implementation="xla") and with the teacher / KL in the Pallas
-kernels (interpret mode); dense and sparse, both targets, packing, loss_mask, bf16 inputs, indexer head chunks,
+kernels (interpret mode; dense mode's student through the student kernels unless student="xla"); dense and sparse, both targets, packing, loss_mask, bf16 inputs, indexer head chunks,
 ReLU ties at exactly 0, exact zero teacher-side gradients, field-named errors.
 """
 
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import csa_pallas
 import oracle
+from csa_pallas.kernels import student_scores as sk
 from kernel_cases import packed_ids
 
 TOL = 1e-6
@@ -170,8 +171,15 @@ def test_indexer_scores_masks_outside_the_visible_set():
     chunked = csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], index_head_chunk=1, **ids)
     np.testing.assert_allclose(np.asarray(chunked), got if topk is None else np.asarray(
         csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], **ids)), rtol=1e-6)
-    with pytest.raises(NotImplementedError, match="implementation='pallas'"):
-        csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], implementation="pallas")
+    kernels = csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], implementation="pallas",
+                                        **ids)
+    dense = csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], **ids)
+    assert np.array_equal(np.isneginf(kernels), np.isneginf(dense))
+    np.testing.assert_allclose(np.where(np.isneginf(dense), 0, kernels), np.where(np.isneginf(dense), 0, dense),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="implementation='pallas': the student kernels score every"):
+        csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], implementation="pallas",
+                                  topk_indices=kw["topk_indices"], **ids)
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -204,8 +212,8 @@ def test_indexer_scores_errors_name_the_indexer_arguments():
 
 
 def test_sharded_inputs_partition_themselves():
-    """Inputs committed to a (data, seq) mesh: the student runs in XLA (partitioned by jit) and the loss enters
-    `sharding.py` by itself (`csa_pallas.placement`); value and gradients equal the unsharded call."""
+    """Inputs committed to a (data, seq) mesh: the op enters `sharded_fused_indexer_distill_loss` by itself with
+    the axes read off the inputs (`csa_pallas.placement`); value and gradients equal the unsharded call."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     import platform_select
     sizes = platform_select.fit_mesh_axes({"data": 2, "seq": 2}, len(jax.devices()))
@@ -271,3 +279,50 @@ def test_split_bf16_matmuls_keep_f32_cotangents(spec):
     for got, want in zip((da, db), wants):
         assert got.dtype == jnp.float32
         assert np.max(np.abs(np.asarray(got) - want)) <= 1e-5 * np.max(np.abs(want))
+
+
+def test_fused_op_student_choices():
+    """student="pallas" (forced, with a config) and "xla" on the chunked Pallas path, both against the oracle."""
+    c, kw = make_student_case(5, seq=64, num_docs=2, loss_mask=True)
+    _check(c, kw, "joint", implementation="pallas", student=sk.StudentKernelConfig(block_q=16, block_k=128),
+           query_chunk=32)
+    _check(c, kw, "per_head", implementation="pallas", student="xla")
+    _check(c, kw, "per_head", implementation="pallas", student="pallas", reduction="sum")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(student="gpu"), "student: expected one of"),
+    (dict(student="pallas", topk_indices=True), "student: the student kernels cover dense mode"),
+    (dict(student="pallas", implementation="xla"), "student: the student kernels run on the Pallas path"),
+    (dict(student=sk.StudentKernelConfig(), implementation="xla"), "student: the student kernels run"),
+])
+def test_student_choice_errors_name_the_argument(change, match):
+    c, kw = make_student_case(6)
+    if change.pop("topk_indices", False):
+        kw["topk_indices"] = jnp.zeros((1, 32, 3), jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        csa_pallas.fused_indexer_distill_loss(c["index_q"], c["index_k"], c["index_weights"], c["q"],
+                                              c["compressed_kv"], **kw, **change)
+
+
+@pytest.mark.parametrize("student", ["pallas", "xla"])
+def test_per_row_losses_differentiate_through_the_rematerialised_chunks(student):
+    """reduction="none" (a cotangent per row) takes the checkpointed scan, not the gradient-in-forward path: its
+    rows and the gradients of a weighted sum of them match the reference."""
+    c, kw = make_student_case(13, batch=2, seq=64, num_docs=2, loss_mask=True)
+    weights = jnp.asarray(np.random.default_rng(0).random((2, 64)), jnp.float32)
+
+    def weighted(implementation, **options):
+        def f(iq, ik, iw):
+            rows = csa_pallas.fused_indexer_distill_loss(iq, ik, iw, c["q"], c["compressed_kv"], **kw,
+                                                         target="joint", reduction="none",
+                                                         implementation=implementation, **options)
+            return jnp.sum(rows * weights), rows
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(
+            c["index_q"], c["index_k"], c["index_weights"])
+
+    (_, got_rows), got = weighted("pallas", student=student, query_chunk=16)
+    (_, want_rows), want = weighted("xla")
+    np.testing.assert_allclose(got_rows, want_rows, atol=1e-6, rtol=1e-6)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-6 * float(jnp.max(jnp.abs(b))), rtol=0)

@@ -1,0 +1,295 @@
+"""The lightning indexer's scores and their three gradients as Pallas kernels (SPEC §8), dense mode.
+
+    I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s])        q [S, H_I, d_I], k [N, d_I], w [S, H_I]
+
+Forward (`_scores_kernel`, grid (B, query tiles, kv tiles)): per tile, one [bq, d_I] x [d_I, bk] product per
+indexer head, its ReLU and the head-weighted sum in VMEM; the [bq, H_I, bk] terms never leave the kernel.
+Backward (`_grads_kernel`, same grid, kv tiles innermost): from the scores' cotangent g [bq, bk] the kernel
+recomputes each head's products and forms G_j = g * w_j * [q_j . k > 0], then
+    dq_j += G_j k,   dw_j += rowsum(g * ReLU(q_j . k)),   dk += G_j^T q_j;
+dq and dw stay resident over the kv tiles; dk is written per (query tile, kv tile) and summed over the query tiles
+in XLA ([B, S/bq, N, d_I] f32: the kv-side accumulation would need the query tiles innermost and a second
+recomputation of the products).
+
+Numerics ("exact", as `student.scores`): bf16 queries and keys enter the MXU as bf16 (products exact in f32,
+accumulation f32); the backward splits each f32 G_j into bf16 hi + lo for two passes (~2^-17 relative), so the
+gradients match float64 to ~1e-6. Any other dtype runs as f32 at HIGHEST precision.
+
+Tiles no query of the query tile can see (every block of the kv tile ends after the tile's last position) are
+skipped: their scores are written as 0 (outside V(t), never read) and contribute no gradient, which is exact
+because the loss's cotangent is 0 outside V(t). The skip table is scalar-prefetched: [B * nq * nk] int32.
+
+Layout: index_q enters as [B, S_p, H_I * d_p] (a free reshape; d_p = d_I rounded up to 128 lanes, zero-padded
+when d_I is not a multiple of 128, so each head's slice is lane-aligned).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_pallas.kernels import common, runtime
+
+NT = (((1,), (1,)), ((), ()))  # a . b^T
+TN = (((0,), (0,)), ((), ()))  # a^T . b
+NN = (((1,), (0,)), ((), ()))  # a . b
+# The skip table is scalar-prefetched whole; SMEM holds ~200K int32 (pallas-notes §2.3).
+MAX_TABLE_ENTRIES = 1 << 17
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentKernelConfig:
+    """Tiles of the student kernels. block_q: query rows per tile (multiple of 16); block_k: compressed blocks per
+    kv tile (multiple of 128); vmem_limit_bytes: Mosaic's scoped-VMEM limit for both kernels."""
+
+    block_q: int = 128
+    block_k: int = 256
+    vmem_limit_bytes: int = 48 * common.MiB
+
+    def __post_init__(self):
+        if self.block_q < 16 or self.block_q % 16:
+            raise ValueError(f"block_q: expected a positive multiple of 16, got {self.block_q}")
+        if self.block_k < 128 or self.block_k % 128:
+            raise ValueError(f"block_k: expected a positive multiple of 128, got {self.block_k}")
+        if self.vmem_limit_bytes < common.MiB:
+            raise ValueError(f"vmem_limit_bytes: expected at least 1 MiB, got {self.vmem_limit_bytes}")
+
+
+def default_config(*, seq_len: int, num_blocks: int) -> StudentKernelConfig:
+    """Query tiles of 128 rows (at most the query rows rounded up to 16), kv tiles of 256 blocks (128 when
+    N <= 128). v5p estimates at S = 4096, N = 1024, H_I = 64, d_I = 128 (all grid steps): 256-block kv tiles keep
+    the gradient kernel MXU-bound (12.9 us per step against an MXU floor of 11.7); 128-block tiles skip more of
+    the causal triangle (56% of the steps instead of 62.5%) but cost 10 us per step, VPU-bound. The backward's resident dq block is [block_q, H_I * d_p] f32 (4 MiB at H_I = 64, d_I = 128),
+    double-buffered."""
+    block_q = min(128, common.round_up(seq_len, 16))
+    block_k = 128 if num_blocks <= 128 else 256
+    return StudentKernelConfig(block_q=block_q, block_k=block_k)
+
+
+def _dot(a, b, dims):
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _split(x, dtype):
+    """f32 x -> the terms fed to the MXU: (x,) for f32 operands, (hi, lo) bf16 with hi + lo = x to ~2^-17."""
+    if dtype == jnp.float32:
+        return (x,)
+    hi = x.astype(dtype)
+    return hi, (x - hi.astype(jnp.float32)).astype(dtype)
+
+
+def _scores_kernel(table_ref, q_ref, w_ref, k_ref, out_ref, *, num_heads, head_dim, nq, nk):
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    needed = table_ref[(b * nq + i) * nk + j] != 0
+
+    @pl.when(needed)
+    def _():
+        k = k_ref[...]
+        w = w_ref[...]
+        acc = jnp.zeros(out_ref.shape, jnp.float32)
+        for h in range(num_heads):
+            dots = _dot(q_ref[:, h * head_dim:(h + 1) * head_dim], k, NT)  # [bq, bk]
+            acc = acc + w[:, h:h + 1] * jnp.maximum(dots, 0.0)
+        out_ref[...] = acc
+
+    @pl.when(jnp.logical_not(needed))
+    def _():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+
+def _grads_kernel(table_ref, q_ref, w_ref, k_ref, g_ref, dq_ref, dw_ref, dk_ref, dq_acc, *, num_heads, head_dim,
+                  nq, nk):
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    needed = table_ref[(b * nq + i) * nk + j] != 0
+
+    @pl.when(j == 0)
+    def _():
+        dq_acc[...] = jnp.zeros(dq_acc.shape, dq_acc.dtype)
+        dw_ref[...] = jnp.zeros(dw_ref.shape, dw_ref.dtype)
+
+    @pl.when(needed)
+    def _():
+        k = k_ref[...]
+        w = w_ref[...]
+        g = g_ref[...]
+        dk = jnp.zeros(dk_ref.shape, jnp.float32)
+        for h in range(num_heads):
+            lanes = slice(h * head_dim, (h + 1) * head_dim)
+            q_h = q_ref[:, lanes]
+            dots = _dot(q_h, k, NT)  # [bq, bk]
+            positive = dots > 0.0  # ReLU'(0) = 0 (SPEC §8)
+            dw_ref[:, h:h + 1] += jnp.sum(jnp.where(positive, g * dots, 0.0), axis=1, keepdims=True)
+            terms = _split(jnp.where(positive, g * w[:, h:h + 1], 0.0), k.dtype)
+            dq_acc[:, lanes] += sum(_dot(t, k, NN) for t in terms)
+            dk = dk + sum(_dot(t, q_h, TN) for t in terms)
+        dk_ref[...] = dk
+
+    @pl.when(jnp.logical_not(needed))
+    def _():
+        dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
+
+    @pl.when(j == nk - 1)
+    def _():
+        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    cfg: StudentKernelConfig
+    batch: int
+    padded_rows: int
+    padded_blocks: int
+    num_heads: int
+    head_dim: int  # d_p
+    operand_dtype: object
+    interpret: object
+
+    @property
+    def nq(self):
+        return self.padded_rows // self.cfg.block_q
+
+    @property
+    def nk(self):
+        return self.padded_blocks // self.cfg.block_k
+
+
+def _specs(st: _Static):
+    bq, bk, hd = st.cfg.block_q, st.cfg.block_k, st.num_heads * st.head_dim
+    q = pl.BlockSpec((None, bq, hd), lambda b, i, j, t: (b, i, 0))
+    w = pl.BlockSpec((None, bq, st.num_heads), lambda b, i, j, t: (b, i, 0))
+    k = pl.BlockSpec((None, bk, st.head_dim), lambda b, i, j, t: (b, j, 0))
+    tile = pl.BlockSpec((None, bq, bk), lambda b, i, j, t: (b, i, j))
+    return q, w, k, tile
+
+
+def _pairs_bytes(st: _Static, itemsize: int):
+    """(MXU flops of one product over every tile pair, HBM bytes of the inputs read by the grid)."""
+    b, s, n, h, d = st.batch, st.padded_rows, st.padded_blocks, st.num_heads, st.head_dim
+    flops = 2 * b * s * n * h * d
+    read = b * (s * h * d + s * h * 4 + st.nq * n * d) * itemsize
+    return flops, read
+
+
+def _forward(st: _Static, table, q, w, k):
+    qs, ws, ks, tile = _specs(st)
+    kernel = functools.partial(_scores_kernel, num_heads=st.num_heads, head_dim=st.head_dim, nq=st.nq, nk=st.nk)
+    flops, read = _pairs_bytes(st, jnp.dtype(st.operand_dtype).itemsize)
+    return runtime.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((st.batch, st.padded_rows, st.padded_blocks), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(st.batch, st.nq, st.nk),
+                                               in_specs=[qs, ws, ks], out_specs=tile),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"),
+                                             vmem_limit_bytes=st.cfg.vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0,
+                                      bytes_accessed=read + 4 * st.batch * st.padded_rows * st.padded_blocks),
+        interpret=st.interpret,
+        name=f"csa_student_scores_bq{st.cfg.block_q}_bk{st.cfg.block_k}",
+    )(table, q, w, k)
+
+
+def _backward(st: _Static, table, q, w, k, g, dq_dtype):
+    qs, ws, ks, tile = _specs(st)
+    bq, bk, hd = st.cfg.block_q, st.cfg.block_k, st.num_heads * st.head_dim
+    kernel = functools.partial(_grads_kernel, num_heads=st.num_heads, head_dim=st.head_dim, nq=st.nq, nk=st.nk)
+    flops, read = _pairs_bytes(st, jnp.dtype(st.operand_dtype).itemsize)
+    passes = 1 if st.operand_dtype == jnp.float32 else 2
+    b, s, n = st.batch, st.padded_rows, st.padded_blocks
+    written = b * (s * hd * jnp.dtype(dq_dtype).itemsize + 4 * s * st.num_heads + 4 * st.nq * n * st.head_dim)
+    return runtime.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, s, hd), dq_dtype),
+                   jax.ShapeDtypeStruct((b, s, st.num_heads), jnp.float32),
+                   jax.ShapeDtypeStruct((b, st.nq, n, st.head_dim), jnp.float32)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(b, st.nq, st.nk), in_specs=[qs, ws, ks, tile],
+            out_specs=(pl.BlockSpec((None, bq, hd), lambda b, i, j, t: (b, i, 0)),
+                       pl.BlockSpec((None, bq, st.num_heads), lambda b, i, j, t: (b, i, 0)),
+                       pl.BlockSpec((None, None, bk, st.head_dim), lambda b, i, j, t: (b, i, j, 0))),
+            scratch_shapes=[pltpu.VMEM((bq, hd), jnp.float32)]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+                                             vmem_limit_bytes=st.cfg.vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(flops=(1 + 2 * passes) * flops, transcendentals=0,
+                                      bytes_accessed=read + 4 * b * s * n + written),
+        interpret=st.interpret,
+        name=f"csa_student_grads_bq{bq}_bk{bk}",
+    )(table, q, w, k, g)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scores(st: _Static, table, q, w, k):
+    return _forward(st, table, q.astype(st.operand_dtype), w, k.astype(st.operand_dtype))
+
+
+def _scores_fwd(st, table, q, w, k):
+    return _scores(st, table, q, w, k), (table, q, w, k)
+
+
+def _scores_bwd(st, residuals, g):
+    table, q, w, k = residuals
+    dq, dw, dk_parts = _backward(st, table, q.astype(st.operand_dtype), w, k.astype(st.operand_dtype), g, q.dtype)
+    dk = dk_parts[:, 0] if st.nq == 1 else jnp.sum(dk_parts, axis=1)
+    return None, dq, dw, dk
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
+def operand_dtype(q_dtype, k_dtype):
+    """bf16 when the indexer's queries and keys both are (exact products), else f32."""
+    return jnp.bfloat16 if q_dtype == jnp.bfloat16 and k_dtype == jnp.bfloat16 else jnp.float32
+
+
+def skip_table(positions, block_end, padded_rows: int, padded_blocks: int, cfg: StudentKernelConfig):
+    """int32 [B * nq * nk]: 1 where some query of the query tile may see some block of the kv tile (the tile's
+    earliest block end <= its latest position; segments are not consulted, so the table is a superset).
+    positions int32 [B, S]; block_end int32 [B, N] (masks.block_keys)."""
+    b, s = positions.shape
+    n = block_end.shape[1]
+    low, high = jnp.iinfo(jnp.int32).min, jnp.iinfo(jnp.int32).max
+    pos = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, padded_rows - s)), constant_values=low)
+    end = jnp.pad(block_end.astype(jnp.int32), ((0, 0), (0, padded_blocks - n)), constant_values=high)
+    latest = jnp.max(pos.reshape(b, -1, cfg.block_q), axis=2)
+    earliest = jnp.min(end.reshape(b, -1, cfg.block_k), axis=2)
+    return (earliest[:, None, :] <= latest[:, :, None]).astype(jnp.int32).reshape(-1)
+
+
+def scores(index_q, index_k, index_weights, positions, block_end, cfg: StudentKernelConfig | None = None,
+           operands=None):
+    """I, f32 [B, S, N], every entry a query may see computed (others 0 or the exact score); differentiable wrt
+    the three indexer tensors (exact zeros where the cotangent of I is 0).
+
+    index_q float [B, S, H_I, d_I]; index_k float [B, N, d_I]; index_weights float [B, S, H_I]; positions int
+    [B, S] (the queries' positions); block_end int32 [B, N] (`masks.block_keys`: a block's last position, or
+    INVALID_BLOCK_END). operands: the MXU operand dtype (default `operand_dtype` of the inputs; a caller that
+    upcasts bf16 keys to f32 to keep their cotangent in f32 passes bf16)."""
+    b, s, h, d = index_q.shape
+    n = index_k.shape[1]
+    if cfg is None:
+        cfg = default_config(seq_len=s, num_blocks=n)
+    s_p, n_p, d_p = common.round_up(s, cfg.block_q), common.round_up(n, cfg.block_k), common.round_up(d, 128)
+    if b * (s_p // cfg.block_q) * (n_p // cfg.block_k) > MAX_TABLE_ENTRIES:
+        raise ValueError(f"index_q: the student kernels' skip table for S={s}, N={n} exceeds SMEM; take the "
+                         f"loss over query chunks (fused_student) or raise block_q / block_k")
+    operands = operand_dtype(index_q.dtype, index_k.dtype) if operands is None else jnp.dtype(operands)
+    st = _Static(cfg, b, s_p, n_p, h, d_p, operands, runtime.interpret_mode())
+    # index_q keeps its dtype (its cotangent is final: each query row's dq is produced once, rounded once from
+    # the kernel's f32 accumulator); index_k and index_weights enter as f32 (exact upcasts of small arrays) so
+    # their cotangents, summed over query tiles and chunks, stay f32. The [B, S, H_I, d_I] -> [B, S, H_I * d_p]
+    # reshape is a relayout copy in HBM for a parameter (the tiles of the last two dims change); a projection
+    # that produces index_q can be laid out for it.
+    q = index_q
+    if s_p != s or d_p != d:
+        q = jnp.pad(q, ((0, 0), (0, s_p - s), (0, 0), (0, d_p - d)))
+    q = q.reshape(b, s_p, h * d_p)
+    k = jnp.pad(index_k.astype(jnp.float32), ((0, 0), (0, n_p - n), (0, d_p - d)))
+    w = jnp.pad(index_weights.astype(jnp.float32), ((0, 0), (0, s_p - s), (0, 0)))
+    table = skip_table(positions, block_end, s_p, n_p, cfg)
+    return _scores(st, table, q, w, k)[:, :s, :n]

@@ -1,0 +1,114 @@
+"""The fused student (SPEC §8) under SPMD: `sharded_fused_indexer_distill_loss`, sharded like
+`sharding.sharded_indexer_distill_loss` (batch, attention heads, query sequence); the indexer heads stay whole on
+every device (index_q [B, S, H_I, d_I] is sharded like the queries' rows, index_k [B, N, d_I] like the keys).
+
+Inside `jax.shard_map`, per device:
+  * no head axis: the shard's queries against every key through `fused_student` (query chunks, the student kernels,
+    the gradient in the forward pass for scalar reductions), so no [B, S, N] array exists on any device;
+  * head axis: the teacher's head sums are reduce-scattered as in `sharding._local_target` (each head shard owns
+    1/n_heads of the shard's rows, normalised there); the device scores its owned rows with the student (kernels
+    in dense mode, else XLA) and takes their KL from that P, as the plain sharded loss does with given logits.
+Each device returns its sum_t KL_t (or its rows, for reduction="none") and its non-empty rows; the reduction is
+global, in XLA (the plain op's mean over the non-empty rows of the whole batch). index_k enters replicated over
+the sequence and head axes, index_q / index_weights over the head axis: shard_map's transpose sums their
+cotangents over those axes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from csa_pallas import api, fused_student, placement, reference, sharding, student as student_lib
+from csa_pallas import teacher_args, validation
+from csa_pallas.kernels import student_scores
+
+
+def _owned_rows_scores(st: student_lib.Student, rows_problem, start, student):
+    """The student's scores of the rows a head shard owns (rows_problem: their ids): f32 [B, rows, W]."""
+    rows = rows_problem.seq_len
+    take = lambda x: lax.dynamic_slice_in_dim(x, start, rows, axis=1)
+    owned = student_lib.Student(take(st.index_q), st.index_k, take(st.index_weights), st.head_chunk)
+    use_kernels, forced = fused_student.resolve_student(student, rows_problem)
+    if not use_kernels:
+        return student_lib.scores(owned, rows_problem)
+    _, block_end = reference.block_keys(rows_problem)
+    return student_scores.scores(owned.index_q, owned.index_k, owned.index_weights, rows_problem.positions,
+                                 block_end, forced)
+
+
+@teacher_args.takes_teacher_args
+def sharded_fused_indexer_distill_loss(
+    mesh: Mesh,
+    index_q: jax.Array,
+    index_k: jax.Array,
+    index_weights: jax.Array,
+    q: jax.Array,
+    compressed_kv: jax.Array,
+    *,
+    teacher: dict,
+    batch_axes: sharding.AxisNames = None,
+    head_axis: Optional[str] = None,
+    seq_axis: Optional[str] = None,
+    reduction: str = "mean",
+    scale=1.0,
+    index_head_chunk: Optional[int] = None,
+    query_chunk: Optional[int] = None,
+    student="auto",
+) -> jax.Array:
+    """`csa_pallas.fused_indexer_distill_loss` with batch, attention heads and query sequence sharded over `mesh`.
+
+    Args: the global arrays and arguments of `fused_indexer_distill_loss` plus `mesh`, `batch_axes`, `head_axis`
+    and `seq_axis` as in `sharded_indexer_distill_loss`. query_chunk: query rows per step on each device (a divisor
+    of the per-device S; no head axis only). Returns the value of the unsharded op (f32 scalar, or [B, S] for
+    reduction="none"), differentiable wrt index_q, index_k and index_weights (exact zeros for the teacher side).
+    """
+    problem, axes = sharding._validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher)
+    st = student_lib.validate_student(index_q, index_k, index_weights, batch=problem.batch, seq_len=problem.seq_len,
+                                      num_blocks=problem.num_blocks, index_head_chunk=index_head_chunk)
+    validation.check_reduction_args(reduction, scale)
+    fused_student.resolve_student(student, problem)
+    if query_chunk is not None and head_axis is not None:
+        raise ValueError("query_chunk: with head_axis each device scores only the rows it owns (no query chunks); "
+                         "drop query_chunk")
+    if (not sharding._uses_pallas(problem) or validation.switched_off(scale)
+            or api.empty_result(problem, reduction) is not None):
+        return api.fused_indexer_distill_loss(index_q, index_k, index_weights, q, compressed_kv, **teacher,
+                                              reduction=reduction, scale=scale, index_head_chunk=index_head_chunk,
+                                              query_chunk=query_chunk, student=student)
+    if index_head_chunk is None:
+        st = student_lib.Student(st.index_q, st.index_k, st.index_weights,
+                                 fused_student.default_index_head_chunk(st.num_heads))
+    num_seq_shards, num_head_shards = sharding._axis_size(mesh, seq_axis), sharding._axis_size(mesh, head_axis)
+    arrays, specs = sharding._shard_inputs(problem, axes)
+    arrays.update(index_q=st.index_q, index_k=st.index_k, index_weights=st.index_weights)
+    specs.update(index_q=P(axes.batch_entry, axes.seq, None, None), index_k=P(axes.batch_entry, None, None),
+                 index_weights=P(axes.batch_entry, axes.seq, None))
+    arrays = placement.reshard_for_shard_map(arrays, specs, mesh)
+    per_row = reduction == "none"
+
+    def per_shard(local):
+        local_st = student_lib.Student(local["index_q"], local["index_k"], local["index_weights"], st.head_chunk)
+        if axes.heads is None:
+            shard = sharding._local_problem(local, problem, axes, num_seq_shards)
+            if per_row:
+                return fused_student.kl_rows(local_st, shard, query_chunk=query_chunk, student=student)
+            total, nonempty = fused_student.kl_total(local_st, shard, query_chunk=query_chunk, student=student)
+            return total.reshape(1, 1), nonempty
+        target, layout, plan, rows_problem = sharding._local_target(local, problem, axes, num_seq_shards,
+                                                                    num_head_shards)
+        start = lax.axis_index(axes.heads) * rows_problem.seq_len
+        logits = _owned_rows_scores(local_st, rows_problem, start, student)
+        kl, nonempty = plan.kl_rows(logits, target, layout)
+        return (kl, nonempty) if per_row else (jnp.sum(kl).reshape(1, 1), nonempty)
+
+    spec = axes.loss_rows_spec()
+    out, nonempty = jax.shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=(spec, spec),
+                                  check_vma=False)(arrays)
+    if per_row:
+        return reference.reduce_rows(out, nonempty, reduction, scale)
+    return reference.reduce_total(jnp.sum(out), nonempty, reduction, scale)

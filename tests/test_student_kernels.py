@@ -1,0 +1,119 @@
+"""The student kernels (`csa_pallas/kernels/student_scores.py`, SPEC §8) in interpret mode against the XLA student.
+
+Scores on every entry a query may see, and the three gradients for a cotangent that is zero outside V(t) (what the
+loss hands them), within 1e-5 of the f32 XLA student for f32 inputs and one bf16 rounding for bf16 ones: drawn
+shapes (S and N off the tiles, H_I 1-8, d_I 16-128), packed documents, forced tiles, the skip table's coverage, and the
+race- and out-of-bounds-checking interpreter (`student=` on the fused op: test_student.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_pallas import masks
+from csa_pallas.kernels import runtime
+from csa_pallas.kernels import student_scores as sk
+from kernel_cases import packed_ids
+
+RATIO = 4
+
+
+def _case(seed, *, batch=1, seq=40, blocks=None, heads=3, dim=16, dtype=jnp.float32, num_docs=1):
+    rng = np.random.default_rng(seed)
+    n = blocks if blocks is not None else seq // RATIO
+    q = jnp.asarray(rng.standard_normal((batch, seq, heads, dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((batch, n, dim)), dtype)
+    w = jnp.asarray(rng.standard_normal((batch, seq, heads)), dtype)
+    if num_docs > 1:
+        seg, pos = packed_ids(rng, batch, seq, num_docs)
+    else:
+        seg, pos = np.zeros((batch, seq), np.int32), np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
+    kv_len = n * RATIO
+    kv_seg = np.zeros((batch, kv_len), np.int32)
+    kv_pos = np.broadcast_to(np.arange(kv_len, dtype=np.int32), (batch, kv_len))
+    if kv_len == seq:
+        kv_seg, kv_pos = seg, pos
+    block_seg, block_end = masks.block_keys(jnp.asarray(kv_seg), jnp.asarray(kv_pos), RATIO, n)
+    visible = masks.block_visible(jnp.asarray(seg), jnp.asarray(pos), block_seg, block_end)
+    g = jnp.asarray(rng.standard_normal((batch, seq, n)), jnp.float32) * visible
+    return dict(q=q, k=k, w=w, positions=jnp.asarray(pos), block_end=block_end, visible=visible, g=g)
+
+
+def _xla_scores(q, k, w):
+    dots = jnp.einsum("bsjd,bnd->bsjn", q.astype(jnp.float32), k.astype(jnp.float32), precision="highest")
+    return jnp.einsum("bsj,bsjn->bsn", w.astype(jnp.float32), jax.nn.relu(dots), precision="highest")
+
+
+def _compare(c, cfg=None):
+    run = lambda q, k, w: sk.scores(q, k, w, c["positions"], c["block_end"], cfg)
+    got = jax.jit(run)(c["q"], c["k"], c["w"])
+    want = _xla_scores(c["q"], c["k"], c["w"])
+    scale = float(jnp.max(jnp.abs(want)))
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    err = float(jnp.max(jnp.where(c["visible"], jnp.abs(got - want), 0.0)))
+    assert err <= 1e-5 * max(scale, 1.0), err
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a) * c["g"]), argnums=(0, 1, 2)))(c["q"], c["k"], c["w"])
+    wants = jax.grad(lambda *a: jnp.sum(_xla_scores(*a) * c["g"]), argnums=(0, 1, 2))(c["q"], c["k"], c["w"])
+    for name, a, b in zip(("index_q", "index_k", "index_weights"), grads, wants):
+        assert a.dtype == b.dtype, name
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        # bf16 gradients: the f32 gradient rounded once on each side (one bf16 ulp apart at most)
+        tol = 1e-5 if c["q"].dtype == jnp.float32 else 2.0 ** -7
+        assert np.max(np.abs(a - b)) <= tol * max(np.max(np.abs(b)), 1e-30), name
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000), seq=st.integers(1, 150), heads=st.integers(1, 8),
+       dim=st.sampled_from([16, 24, 64, 128]), bf16=st.booleans(), docs=st.sampled_from([1, 2]))
+def test_drawn_shapes_match_the_xla_student(seed, seq, heads, dim, bf16, docs):
+    seq = max(seq, RATIO * docs)
+    c = _case(seed, seq=seq, heads=heads, dim=dim, dtype=jnp.bfloat16 if bf16 else jnp.float32, num_docs=docs)
+    _compare(c, sk.StudentKernelConfig(block_q=16, block_k=128))
+
+
+@pytest.mark.parametrize("block_q, block_k", [(16, 128), (32, 256), (128, 128)])
+def test_forced_tiles(block_q, block_k):
+    c = _case(1, batch=2, seq=96, blocks=300, heads=2, dim=32, num_docs=1)
+    _compare(c, sk.StudentKernelConfig(block_q=block_q, block_k=block_k))
+
+
+def test_default_tiles_bf16_packed():
+    _compare(_case(2, batch=2, seq=160, heads=4, dim=128, dtype=jnp.bfloat16, num_docs=3))
+
+
+def test_config_fields_are_checked():
+    with pytest.raises(ValueError, match="block_q: expected a positive multiple of 16, got 24"):
+        sk.StudentKernelConfig(block_q=24)
+    with pytest.raises(ValueError, match="block_k: expected a positive multiple of 128, got 64"):
+        sk.StudentKernelConfig(block_k=64)
+    assert sk.default_config(seq_len=40, num_blocks=100) == sk.StudentKernelConfig(block_q=48, block_k=128)
+    assert sk.default_config(seq_len=4096, num_blocks=1024) == sk.StudentKernelConfig(block_q=128, block_k=256)
+
+
+def test_skip_table_covers_every_visible_pair_and_counts_the_causal_steps():
+    c = _case(3, batch=2, seq=200, num_docs=3)
+    cfg = sk.StudentKernelConfig(block_q=16, block_k=128)
+    s_p, n_p = 208, 128
+    table = np.asarray(sk.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)).reshape(2, 13, 1)
+    vis = np.asarray(c["visible"])
+    for b, t, s in zip(*np.nonzero(vis)):
+        assert table[b, t // 16, s // 128] == 1
+    # One document at S = 4096, N = 1024 with the default 128 x 256 tiles: kv tile j is needed by query tile i
+    # iff 1024 j + 3 <= 128 i + 127 - 80 of the 128 steps.
+    pos = jnp.arange(4096, dtype=jnp.int32)[None]
+    end = (jnp.arange(1024, dtype=jnp.int32) * 4 + 3)[None]
+    full = sk.skip_table(pos, end, 4096, 1024, sk.default_config(seq_len=4096, num_blocks=1024))
+    assert int(jnp.sum(full)) == 80 and full.size == 128
+
+
+def test_race_and_out_of_bounds_checking_interpreter():
+    c = _case(4, batch=1, seq=48, blocks=140, heads=2, dim=16, num_docs=1)
+    params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", num_cores_or_threads=2)
+    with runtime.interpret_override(params):
+        _compare(c, sk.StudentKernelConfig(block_q=16, block_k=128))
