@@ -40,9 +40,10 @@ def check_config(config, implementation: str) -> None:
                          "implementation='pallas'")
 
 
-def empty_result(problem: Problem, reduction: str) -> Optional[jax.Array]:
-    """The loss when nothing can contribute (static: B = 0, S = 0 or N = 0): exact zeros; else None."""
-    if problem.batch and problem.seq_len and problem.num_blocks:
+def trivial_result(problem: Problem, reduction: str, scale) -> Optional[jax.Array]:
+    """The loss without any computation, else None: exact zeros (and zero gradients) when the static scale is 0
+    (SPEC §4: whatever the inputs hold, no kernel runs) or nothing can contribute (B = 0, S = 0 or N = 0)."""
+    if not validation.switched_off(scale) and problem.batch and problem.seq_len and problem.num_blocks:
         return None
     return jnp.zeros((problem.batch, problem.seq_len), jnp.float32) if reduction == "none" else jnp.float32(0.0)
 
@@ -121,12 +122,9 @@ def indexer_distill_loss(
     validation.check_reduction_args(reduction, scale)
     implementation = choose_implementation(problem)
     check_config(config, implementation)
-    if validation.switched_off(scale):  # SPEC §4: exact zeros, no kernel, whatever the inputs hold
-        b, s = problem.batch, problem.seq_len
-        return jnp.zeros((b, s), jnp.float32) if reduction == "none" else jnp.float32(0.0)
-    empty = empty_result(problem, reduction)
-    if empty is not None:
-        return empty
+    trivial = trivial_result(problem, reduction, scale)
+    if trivial is not None:
+        return trivial
     if implementation == "xla":
         run = lambda pr, logits: reference.indexer_distill_loss(logits, pr, reduction=reduction, scale=scale)
         return placement.on_auto_axes(run, problem, indexer_logits, row_dims=2 if reduction == "none" else 0)
@@ -337,12 +335,9 @@ def fused_indexer_distill_loss(
     if use_kernels and implementation != "pallas" and student != "auto":
         raise ValueError(f"student: the student kernels run on the Pallas path; with implementation="
                          f"{implementation!r} take 'auto' or 'xla', got {student!r}")
-    if validation.switched_off(scale):  # SPEC §4: exact zeros (and zero gradients), nothing computed
-        b, s = problem.batch, problem.seq_len
-        return jnp.zeros((b, s), jnp.float32) if reduction == "none" else jnp.float32(0.0)
-    empty = empty_result(problem, reduction)
-    if empty is not None:
-        return empty
+    trivial = trivial_result(problem, reduction, scale)
+    if trivial is not None:
+        return trivial
     if implementation == "xla":
         return indexer_distill_loss(student_lib.scores(st, problem), q, compressed_kv, **teacher,
                                     reduction=reduction, scale=scale)

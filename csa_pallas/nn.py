@@ -45,6 +45,7 @@ from jax.sharding import Mesh
 from csa_pallas import api
 from csa_pallas import sharded_student
 from csa_pallas import sharding
+from csa_pallas import teacher_args
 from csa_pallas.validation import IMPLEMENTATIONS, REDUCTIONS, TARGETS
 
 __all__ = [
@@ -255,9 +256,9 @@ def _compute_loss(cfg: IndexerLossConfig, student: tuple, q, compressed_kv, *, t
         scale=cfg.scale, head_chunk=cfg.head_chunk, implementation=cfg.implementation)
 
 
-# The keyword arrays of a module call (every one optional).
-_NO_ARRAYS = dict.fromkeys(("topk_indices", "window_kv", "sinks", "noncompressed_lse", "full_lse", "segment_ids",
-                            "positions", "kv_segment_ids", "kv_positions", "loss_mask"))
+# The keyword arrays of a module call (every one optional): the op's teacher arguments that are not config fields.
+_NO_ARRAYS = dict.fromkeys(name for name in teacher_args.NAMES
+                           if name not in {f.name for f in dataclasses.fields(IndexerLossConfig)})
 
 
 def _arrays(arguments: dict) -> dict:

@@ -75,8 +75,7 @@ def sharded_fused_indexer_distill_loss(
     if query_chunk is not None and head_axis is not None:
         raise ValueError("query_chunk: with head_axis each device scores only the rows it owns (no query chunks); "
                          "drop query_chunk")
-    if (not sharding._uses_pallas(problem) or validation.switched_off(scale)
-            or api.empty_result(problem, reduction) is not None):
+    if not sharding._uses_pallas(problem) or api.trivial_result(problem, reduction, scale) is not None:
         return api.fused_indexer_distill_loss(index_q, index_k, index_weights, q, compressed_kv, **teacher,
                                               reduction=reduction, scale=scale, index_head_chunk=index_head_chunk,
                                               query_chunk=query_chunk, student=student)

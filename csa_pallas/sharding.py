@@ -343,8 +343,7 @@ def sharded_indexer_distill_loss(
     problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher)
     validation.validate_logits(indexer_logits, problem)
     validation.check_reduction_args(reduction, scale)
-    if (not _uses_pallas(problem) or validation.switched_off(scale)
-            or api.empty_result(problem, reduction) is not None):
+    if not _uses_pallas(problem) or api.trivial_result(problem, reduction, scale) is not None:
         return api.indexer_distill_loss(indexer_logits, q, compressed_kv, **teacher, reduction=reduction,
                                         scale=scale)
     num_seq_shards, num_head_shards = _axis_size(mesh, seq_axis), _axis_size(mesh, head_axis)
