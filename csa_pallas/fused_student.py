@@ -47,13 +47,18 @@ def default_index_head_chunk(num_index_heads: int) -> int:
     return max(c for c in range(1, min(num_index_heads, 8) + 1) if num_index_heads % c == 0)
 
 
-def default_query_chunk(problem: Problem, index_head_chunk: int) -> int:
-    """The largest divisor of S (a multiple of 8, or S itself) whose chunk keeps one batch row's f32 [chunk, N]
-    arrays within TARGET_CHUNK_BYTES: measured on v5p compiles, ~2 index_head_chunk + 10 of them (the XLA
-    student's ReLU terms and dot products with their gradients, the scores and theirs, the kernel's operands;
-    index_head_chunk=0 for the student kernels, which keep their terms in VMEM)."""
+def default_query_chunk(problem: Problem, index_head_chunk: int, index_dim: int = 0,
+                        student_kernels: bool = False) -> int:
+    """The largest divisor of S (a multiple of 8, or S itself) whose chunk keeps one batch row's f32 [chunk, W]
+    arrays within TARGET_CHUNK_BYTES, counted from v5p compiles: with the XLA student ~2 index_head_chunk + 10 of
+    them (its ReLU terms and dot products with their gradients, the scores and theirs, the kernel's operands);
+    with the student kernels (their terms stay in VMEM; the gradient in the forward pass) ~5 (S = 32K temp: 34,
+    54, 91, 164 MiB at 128, 256, 512, 1024 rows). Sparse mode adds the XLA student's gathered keys,
+    [chunk, K, d_I] f32 and their cotangent plus a bf16 copy (index_dim = d_I)."""
     s, n = problem.seq_len, max(problem.width, 1)
-    per_row = 4 * n * (2 * index_head_chunk + 10)
+    per_row = 4 * n * (5 if student_kernels else 2 * index_head_chunk + 10)
+    if problem.sparse:
+        per_row += 10 * n * index_dim
     # At least MIN_QUERY_CHUNK rows: below, the kernels' query tiles run part-empty and the fixed per-chunk memory
     # grows (v5p compiles at S = 128K: 16-row chunks took ~40% more temp than 64-row ones).
     limit = max(TARGET_CHUNK_BYTES // per_row, MIN_QUERY_CHUNK)
@@ -73,12 +78,13 @@ def _check_query_chunk(query_chunk, seq_len: int) -> int:
 def _chunk_problem(problem: Problem, rows: dict) -> Problem:
     """The teacher problem of one chunk of query rows against every key (u or F given per row)."""
     stats = {name: rows[name] for name in ("noncompressed_lse", "full_lse") if name in rows}
-    return validation.validate(
+    chunk = validation.validate(
         rows["q"], problem.compressed_kv, topk_indices=rows.get("topk_indices"), loss_mask=rows.get("loss_mask"),
         segment_ids=rows["segment_ids"], positions=rows["positions"], kv_segment_ids=problem.kv_segment_ids,
         kv_positions=problem.kv_positions, compress_ratio=problem.compress_ratio, window_size=problem.window_size,
         softmax_scale=problem.softmax_scale, target=problem.target, head_chunk=problem.head_chunk,
         implementation="pallas", **stats)
+    return dataclasses.replace(chunk, kv_ready=problem.kv_ready)
 
 
 STUDENTS = ("auto", "pallas", "xla")
@@ -136,11 +142,11 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     rows = {name: teacher[name] for name in _ROW_FIELDS if name in teacher}
     chunk, num_chunks = ctx.chunk, ctx.num_chunks
     kernels = ctx.kernel_config is not None
-    # The student kernels' keys enter as f32 (an exact upcast) so their cotangent sums over chunks in f32; the MXU
-    # still takes bf16 values when both indexer inputs are bf16 (operands=).
-    keys = index_k.astype(jnp.float32) if kernels else index_k
-    operands = student_scores.operand_dtype(index_q.dtype, index_k.dtype)
-    scanned = (_stack_chunks(index_q, num_chunks, chunk), _stack_chunks(index_weights, num_chunks, chunk))
+    # The student kernels' keys, padded and cast once for every chunk (`student_scores.Keys`): f32 (an exact
+    # upcast) so their cotangent sums over chunks in f32; the MXU takes bf16 when both indexer inputs are bf16.
+    prepared = None if not kernels else student_scores.prepare_keys(
+        index_k, ctx.kernel_config, student_scores.operand_dtype(index_q.dtype, index_k.dtype))
+    keys = index_k if not kernels else prepared.padded  # what each chunk differentiates
 
     def chunk_shard(part):
         # One chunk: the problem itself (default ids keep the kernels' causal schedule, computed from the grid).
@@ -151,8 +157,8 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     def student_fn(part, shard, q_rows, k, w_rows):
         if not kernels:
             return student_lib.scores(student_lib.Student(q_rows, k, w_rows, ctx.index_head_chunk), shard)
-        return student_scores.scores(q_rows, k, w_rows, part["positions"], block_end, ctx.kernel_config,
-                                     operands=operands)
+        k = dataclasses.replace(prepared, padded=k, operand=lax.stop_gradient(prepared.operand))
+        return student_scores.scores(q_rows, k, w_rows, part["positions"], block_end, ctx.kernel_config)
 
     def chunk_rows(start, q_rows, k, w_rows):
         part = {name: lax.dynamic_slice_in_dim(v, start, chunk, axis=1) for name, v in rows.items()}
@@ -169,18 +175,28 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
 
     starts = jnp.arange(num_chunks) * chunk
     if not with_gradient:
+        # The student's rows are scanned over so that autodiff returns their cotangents stacked, chunk by chunk
+        # (a dynamic slice of the whole array would transpose to a full-size update per chunk).
+        scanned = (_stack_chunks(index_q, num_chunks, chunk), _stack_chunks(index_weights, num_chunks, chunk))
         remat = jax.checkpoint(chunk_rows)  # the backward recomputes one chunk at a time
         _, (kl, nonempty) = lax.scan(lambda c, xs: (c, remat(xs[0], xs[1], keys, xs[2])), None,
                                      (starts, *scanned))
         return _unstack_chunks(kl), _unstack_chunks(nonempty)
 
-    def step(dk_total, xs):
-        (kl, nonempty), (dq, dk, dw) = chunk_rows(xs[0], xs[1], keys, xs[2])
-        return dk_total + dk, (kl, nonempty, dq, dw)
+    def step(carry, start):
+        # No autodiff here: the rows are sliced in place and their gradients written in place (no stacked copies).
+        dk_total, dq_all, dw_all = carry
+        rows_of = lambda x: lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
+        (kl, nonempty), (dq, dk, dw) = chunk_rows(start, rows_of(index_q), keys, rows_of(index_weights))
+        dq_all = lax.dynamic_update_slice_in_dim(dq_all, dq.astype(dq_all.dtype), start, axis=1)
+        dw_all = lax.dynamic_update_slice_in_dim(dw_all, dw.astype(dw_all.dtype), start, axis=1)
+        return (dk_total + dk, dq_all, dw_all), (kl, nonempty)
 
-    dk_total, out = lax.scan(step, jnp.zeros(keys.shape, keys.dtype), (starts, *scanned))
-    kl, nonempty, dq, dw = (_unstack_chunks(x) for x in out)
-    return kl, nonempty, (dq, dk_total, dw)
+    init = (jnp.zeros_like(keys), jnp.zeros_like(index_q), jnp.zeros_like(index_weights))
+    (dk_total, dq, dw), (kl, nonempty) = lax.scan(step, init, starts)
+    if kernels:  # the padded keys' cotangent -> index_k's
+        dk_total = dk_total[:, :index_k.shape[1], :index_k.shape[2]]
+    return _unstack_chunks(kl), _unstack_chunks(nonempty), (dq, dk_total, dw)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -213,13 +229,17 @@ def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student):
     """(the static `_Chunks`, the teacher's arrays) of one chunked loss; u computed here for a joint target."""
     from csa_pallas import ops
     use_kernels, forced = resolve_student(student, problem)
-    chunk = default_query_chunk(problem, 0 if use_kernels else st.head_chunk) if query_chunk is None else (
-        _check_query_chunk(query_chunk, problem.seq_len))
+    if query_chunk is None:
+        chunk = default_query_chunk(problem, st.head_chunk, st.index_q.shape[3], student_kernels=use_kernels)
+    else:
+        chunk = _check_query_chunk(query_chunk, problem.seq_len)
     kernel_config = None
     if use_kernels:
         kernel_config = forced or student_scores.default_config(seq_len=chunk, num_blocks=problem.num_blocks)
     if problem.target == "joint" and problem.full_lse is None and problem.noncompressed_lse is None:
         problem = dataclasses.replace(problem, noncompressed_lse=lax.stop_gradient(ops.noncompressed_lse(problem)))
+    # The teacher's key operand once for every chunk (not a cast and NaN fill of compressed_kv per chunk).
+    problem = dataclasses.replace(problem, compressed_kv=ops.kernel_keys(problem), kv_ready=True)
     teacher = {name: getattr(problem, name) for name in _ARRAY_FIELDS if getattr(problem, name) is not None}
     template = dataclasses.replace(problem, **dict.fromkeys(_ARRAY_FIELDS))
     return _Chunks(template, problem.seq_len // chunk, chunk, kernel_config, st.head_chunk), teacher

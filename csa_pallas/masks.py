@@ -6,6 +6,8 @@ and by the wrappers that prepare kernel inputs, so both see exactly the same mas
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,13 +29,13 @@ def block_keys(kv_segment_ids: jnp.ndarray, kv_positions: jnp.ndarray, compress_
       all m tokens share one segment, and then its end is the position of its last token. Invalid blocks (a block
       straddling two documents) get end INVALID_BLOCK_END.
     """
-    b = kv_segment_ids.shape[0]
     m = compress_ratio
-    seg = kv_segment_ids[:, : num_blocks * m].reshape(b, num_blocks, m)
-    pos = kv_positions[:, : num_blocks * m].reshape(b, num_blocks, m)
-    valid = jnp.all(seg == seg[..., :1], axis=-1)
-    block_segment = seg[..., 0].astype(jnp.int32)
-    block_end = jnp.where(valid, pos[..., -1], INVALID_BLOCK_END).astype(jnp.int32)
+    # Strided slices, not a [B, N, m] reshape: on a TPU that array pads its m lanes to 128 (a 32x temp for m = 4).
+    token = lambda x, i: x[:, i: num_blocks * m: m]  # [B, N]: token i of every block
+    block_segment = token(kv_segment_ids, 0).astype(jnp.int32)
+    valid = functools.reduce(jnp.logical_and, [token(kv_segment_ids, i) == block_segment for i in range(1, m)],
+                             jnp.ones(block_segment.shape, bool))
+    block_end = jnp.where(valid, token(kv_positions, m - 1), INVALID_BLOCK_END).astype(jnp.int32)
     return block_segment, block_end
 
 

@@ -50,6 +50,15 @@ def compute_dtype(*arrays):
     return jnp.dtype(jnp.bfloat16) if dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
+def kernel_keys(problem: Problem):
+    """compressed_kv as the teacher kernels read it: stop-gradient, in `compute_dtype`, every row holding a
+    non-finite value NaN (`nan_filled_rows`); as given when problem.kv_ready says it already is."""
+    if problem.kv_ready:
+        return problem.compressed_kv
+    dtype = compute_dtype(problem.q, problem.compressed_kv)
+    return nan_filled_rows(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype))
+
+
 def nan_filled_rows(x):
     """x [B, R, D] with every row that holds a NaN or +-inf replaced by NaN: the rows that read it then become
     NaN through their scores (SPEC §3), whatever the signs (a lone -inf score would otherwise silently vanish)."""
@@ -249,8 +258,7 @@ def teacher_inputs(problem: Problem, layout: DenseLayout, reduce_low=None) -> Te
     cfg = layout.cfg
     dtype = compute_dtype(problem.q, problem.compressed_kv)
     q = pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
-    kv = nan_filled_rows(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype))
-    kv = pad_axis(kv, 1, layout.padded_blocks)
+    kv = pad_axis(kernel_keys(problem), 1, layout.padded_blocks)
     lse_in = lse_blocks(teacher_lse(problem), problem, cfg, layout.padded_seq, dtype, reduce_low)
     return TeacherInputs(teacher_mode(problem), q, kv, lse_in)
 

@@ -231,8 +231,7 @@ def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
     mode = ops.teacher_mode(problem)
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
     q = ops.pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
-    kv = ops.nan_filled_rows(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype))
-    kv = ops.pad_axis(kv, 1, layout.padded_blocks)
+    kv = ops.pad_axis(ops.kernel_keys(problem), 1, layout.padded_blocks)
     to_hbm = None
     if layout.path == "gather":
         kv = sparse_gather.resident_rows(kv)

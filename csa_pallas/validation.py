@@ -44,6 +44,9 @@ class Problem:
     head_chunk: Optional[int]  # None: the kernel config's default
     implementation: Optional[str]
     default_ids: bool = False  # no ids/positions given: one document, positions 0..S-1, S_kv == S
+    # compressed_kv is already the kernels' key operand (`ops.kernel_keys`: compute dtype, non-finite rows NaN):
+    # set by callers that run the teacher many times on one key sequence (`fused_student`'s query chunks).
+    kv_ready: bool = False
 
     @property
     def batch(self) -> int:

@@ -280,14 +280,15 @@ def test_short_training_run_cuts_kl_by_3x():
     assert losses()[0] == kl  # deterministic
 
 
-@pytest.mark.parametrize("sparse", [False, True])
-def test_fused_student_trains_the_same_way(sparse):
+@pytest.mark.parametrize("sparse, implementation", [(False, "xla"), (True, "xla"), (False, "pallas")])
+def test_fused_student_trains_the_same_way(sparse, implementation):
     """--fused-student (the loss takes the indexer's inputs, SPEC §8): the same losses step by step as the
-    scores path, within f32 rounding (same seed, batch and optimizer; 10 Adam steps)."""
+    scores path, within f32 rounding (same seed, batch and optimizer; 10 Adam steps). "pallas": the fused op's
+    kernels (the student kernels and the gradient in the forward pass) against the same scores path."""
     tokens = jnp.asarray(train_indexer.synthetic_tokens(np.random.default_rng(1), 2, 64, 512))
 
     def losses(fused):
-        cfg = DeepSeekV4CSAConfig(implementation="xla", indexer_fused_student=fused)
+        cfg = DeepSeekV4CSAConfig(implementation=implementation if fused else "xla", indexer_fused_student=fused)
         model = train_indexer.TinyCSAModel(cfg, 512, rngs=nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=train_indexer.INDEXER)
         return [float(train_indexer.train_step(model, optimizer, tokens, sparse=sparse)) for _ in range(11)]

@@ -64,9 +64,9 @@ class StudentKernelConfig:
 def default_config(*, seq_len: int, num_blocks: int) -> StudentKernelConfig:
     """Query tiles of 128 rows (at most the query rows rounded up to 16), kv tiles of 256 blocks (128 when
     N <= 128). v5p estimates at S = 4096, N = 1024, H_I = 64, d_I = 128 (all grid steps): 256-block kv tiles keep
-    the gradient kernel MXU-bound (12.9 us per step against an MXU floor of 11.7); 128-block tiles skip more of
-    the causal triangle (56% of the steps instead of 62.5%) but cost 10 us per step, VPU-bound. The backward's resident dq block is [block_q, H_I * d_p] f32 (4 MiB at H_I = 64, d_I = 128),
-    double-buffered."""
+    the gradient kernel MXU-bound (12.1 us per step against an MXU floor of 11.7); 128-block tiles skip more of
+    the causal triangle (56% of the steps instead of 62.5%) but cost 10 us per step, VPU-bound. The backward's
+    resident dq accumulator is [block_q, H_I * d_p] f32 (4 MiB at H_I = 64, d_I = 128)."""
     block_q = min(128, common.round_up(seq_len, 16))
     block_k = 128 if num_blocks <= 128 else 256
     return StudentKernelConfig(block_q=block_q, block_k=block_k)
@@ -224,19 +224,22 @@ def _backward(st: _Static, table, q, w, k, g, dq_dtype):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scores(st: _Static, table, q, w, k):
-    return _forward(st, table, q.astype(st.operand_dtype), w, k.astype(st.operand_dtype))
+def _scores(st: _Static, table, q, w, k, k_operand):
+    """k: f32 [B, N_p, d_p], the differentiable keys (only their cotangent is used here); k_operand: the same values
+    in the operand dtype (`Keys`: cast once by the caller, outside any scan over query chunks)."""
+    del k
+    return _forward(st, table, q.astype(st.operand_dtype), w, k_operand)
 
 
-def _scores_fwd(st, table, q, w, k):
-    return _scores(st, table, q, w, k), (table, q, w, k)
+def _scores_fwd(st, table, q, w, k, k_operand):
+    return _scores(st, table, q, w, k, k_operand), (table, q, w, k_operand)
 
 
 def _scores_bwd(st, residuals, g):
-    table, q, w, k = residuals
-    dq, dw, dk_parts = _backward(st, table, q.astype(st.operand_dtype), w, k.astype(st.operand_dtype), g, q.dtype)
+    table, q, w, k_operand = residuals
+    dq, dw, dk_parts = _backward(st, table, q.astype(st.operand_dtype), w, k_operand, g, q.dtype)
     dk = dk_parts[:, 0] if st.nq == 1 else jnp.sum(dk_parts, axis=1)
-    return None, dq, dw, dk
+    return None, dq, dw, dk, None
 
 
 _scores.defvjp(_scores_fwd, _scores_bwd)
@@ -261,35 +264,57 @@ def skip_table(positions, block_end, padded_rows: int, padded_blocks: int, cfg: 
     return (earliest[:, None, :] <= latest[:, :, None]).astype(jnp.int32).reshape(-1)
 
 
-def scores(index_q, index_k, index_weights, positions, block_end, cfg: StudentKernelConfig | None = None,
-           operands=None):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["padded", "operand"],
+                   meta_fields=["num_blocks", "head_dim"])
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """index_k prepared for the kernels: `padded` f32 [B, N_p, d_p] (the differentiable side: an exact upcast, so
+    its cotangent sums over query tiles and chunks in f32) and `operand` (the same values in the MXU operand
+    dtype). A caller that scores many query chunks against one index_k prepares them once (`prepare_keys`)."""
+
+    padded: jax.Array
+    operand: jax.Array
+    num_blocks: int  # N
+    head_dim: int  # d_I
+
+
+def prepare_keys(index_k, cfg: StudentKernelConfig, operands) -> Keys:
+    """index_k float [B, N, d_I] -> `Keys` for kv tiles of cfg.block_k blocks; operands: `operand_dtype`."""
+    _, n, d = index_k.shape
+    padded = jnp.pad(index_k.astype(jnp.float32),
+                     ((0, 0), (0, common.round_up(n, cfg.block_k) - n), (0, common.round_up(d, 128) - d)))
+    return Keys(padded, padded.astype(operands), n, d)
+
+
+def scores(index_q, index_k, index_weights, positions, block_end, cfg: StudentKernelConfig | None = None):
     """I, f32 [B, S, N], every entry a query may see computed (others 0 or the exact score); differentiable wrt
     the three indexer tensors (exact zeros where the cotangent of I is 0).
 
-    index_q float [B, S, H_I, d_I]; index_k float [B, N, d_I]; index_weights float [B, S, H_I]; positions int
-    [B, S] (the queries' positions); block_end int32 [B, N] (`masks.block_keys`: a block's last position, or
-    INVALID_BLOCK_END). operands: the MXU operand dtype (default `operand_dtype` of the inputs; a caller that
-    upcasts bf16 keys to f32 to keep their cotangent in f32 passes bf16)."""
+    index_q float [B, S, H_I, d_I]; index_k float [B, N, d_I], or `Keys` prepared with this cfg (then its padded
+    f32 keys get the cotangent); index_weights float [B, S, H_I]; positions int [B, S] (the queries' positions);
+    block_end int32 [B, N] (`masks.block_keys`: a block's last position, or INVALID_BLOCK_END)."""
     b, s, h, d = index_q.shape
-    n = index_k.shape[1]
+    n = index_k.num_blocks if isinstance(index_k, Keys) else index_k.shape[1]
     if cfg is None:
         cfg = default_config(seq_len=s, num_blocks=n)
-    s_p, n_p, d_p = common.round_up(s, cfg.block_q), common.round_up(n, cfg.block_k), common.round_up(d, 128)
+    keys = index_k if isinstance(index_k, Keys) else prepare_keys(
+        index_k, cfg, operand_dtype(index_q.dtype, index_k.dtype))
+    s_p, (n_p, d_p) = common.round_up(s, cfg.block_q), keys.padded.shape[1:]
+    if n_p % cfg.block_k or keys.head_dim != d:
+        raise ValueError(f"index_k: Keys of shape {keys.padded.shape} (d_I={keys.head_dim}) were prepared for "
+                         f"other tiles or widths; expected kv tiles of block_k={cfg.block_k}, d_I={d}")
     if b * (s_p // cfg.block_q) * (n_p // cfg.block_k) > MAX_TABLE_ENTRIES:
         raise ValueError(f"index_q: the student kernels' skip table for S={s}, N={n} exceeds SMEM; take the "
                          f"loss over query chunks (fused_student) or raise block_q / block_k")
-    operands = operand_dtype(index_q.dtype, index_k.dtype) if operands is None else jnp.dtype(operands)
-    st = _Static(cfg, b, s_p, n_p, h, d_p, operands, runtime.interpret_mode())
+    st = _Static(cfg, b, s_p, n_p, h, d_p, keys.operand.dtype, runtime.interpret_mode())
     # index_q keeps its dtype (its cotangent is final: each query row's dq is produced once, rounded once from
-    # the kernel's f32 accumulator); index_k and index_weights enter as f32 (exact upcasts of small arrays) so
-    # their cotangents, summed over query tiles and chunks, stay f32. The [B, S, H_I, d_I] -> [B, S, H_I * d_p]
-    # reshape is a relayout copy in HBM for a parameter (the tiles of the last two dims change); a projection
-    # that produces index_q can be laid out for it.
+    # the kernel's f32 accumulator); index_weights enters as f32 (an exact upcast of a small array). The
+    # [B, S, H_I, d_I] -> [B, S, H_I * d_p] reshape is a relayout copy in HBM for a parameter (the tiles of the
+    # last two dims change); a projection that produces index_q can be laid out for it.
     q = index_q
     if s_p != s or d_p != d:
         q = jnp.pad(q, ((0, 0), (0, s_p - s), (0, 0), (0, d_p - d)))
     q = q.reshape(b, s_p, h * d_p)
-    k = jnp.pad(index_k.astype(jnp.float32), ((0, 0), (0, n_p - n), (0, d_p - d)))
     w = jnp.pad(index_weights.astype(jnp.float32), ((0, 0), (0, s_p - s), (0, 0)))
     table = skip_table(positions, block_end, s_p, n_p, cfg)
-    return _scores(st, table, q, w, k)[:, :s, :n]
+    return _scores(st, table, q, w, keys.padded, keys.operand)[:, :s, :n]
