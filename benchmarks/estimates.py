@@ -105,50 +105,19 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
 
 
 FUSED_ONE_CHUNK = "fwd+bwd fused_indexer_distill_loss per_head (student kernels, one query chunk)"
-STUDENT_KERNELS = "fwd+bwd student kernels alone (every grid step counted)"
+STUDENT_KERNELS = "fwd+bwd student kernels alone (default ids: causal schedule from the grid)"
 
 
 def student_kernels_loss(index_q, index_k, index_weights, cotangent):
-    """The student kernels' forward and backward alone: sum(I * cotangent) and its three gradients, default ids."""
+    """The student kernels' forward and backward alone: sum(I * cotangent) and its three gradients, default ids
+    (the skipped tiles from the grid, so the estimator sees the causal trip counts)."""
     import jax.numpy as jnp
     from csa_pallas.kernels import student_scores
     seq, n = index_q.shape[1], index_k.shape[1]
     positions = jnp.arange(seq, dtype=jnp.int32)[None]
     block_end = (jnp.arange(n, dtype=jnp.int32) * SHAPE.ratio + SHAPE.ratio - 1)[None]
-    run = lambda *x: jnp.sum(student_scores.scores(*x, positions, block_end) * cotangent)
+    run = lambda *x: jnp.sum(student_scores.scores(*x, positions, block_end, causal_ratio=SHAPE.ratio) * cotangent)
     return jax.value_and_grad(run, argnums=(0, 1, 2))(index_q, index_k, index_weights)
-
-
-def student_active_fraction(seq: int) -> tuple:
-    """(active, all) grid steps of the student kernels at default ids: their skip table counted, since the static
-    estimator counts every step of a table-driven kernel."""
-    import jax.numpy as jnp
-    from csa_pallas.kernels import common, student_scores
-    n = seq // SHAPE.ratio
-    cfg = student_scores.default_config(seq_len=seq, num_blocks=n)
-    positions = jnp.arange(seq, dtype=jnp.int32)[None]
-    block_end = (jnp.arange(n, dtype=jnp.int32) * SHAPE.ratio + SHAPE.ratio - 1)[None]
-    table = student_scores.skip_table(positions, block_end, common.round_up(seq, cfg.block_q),
-                                      common.round_up(n, cfg.block_k), cfg)
-    return int(table.sum()), int(table.size)
-
-
-def derived_fused_row(rows: list, seq: int):
-    """The one-chunk fused op with the student kernels' share scaled to the steps its skip table runs:
-    est(fused) - (1 - active / all) * est(student kernels alone). A derived estimate, not a bundle count."""
-    by = {r["program"]: r for r in rows}
-    fused, kernels = by.get(FUSED_ONE_CHUNK), by.get(STUDENT_KERNELS)
-    if not fused or not kernels or fused.get("est_us") is None or kernels.get("est_us") is None:
-        return None
-    active, total = student_active_fraction(seq)
-    row = dict(fused, program=f"{FUSED_ONE_CHUNK}, derived: student kernels at {active}/{total} grid steps",
-               status="derived", how="est(fused) - (1 - active/all) * est(student kernels alone); tpu_estimate "
-                                      "BEST ESTIMATE rows above")
-    row["est_us"] = fused["est_us"] - (1 - active / total) * kernels["est_us"]
-    row["best_us"] = max(row["est_us"], fused.get("bw_floor_us") or 0.0)
-    for key in ("bundle_us", "no_floor_us"):
-        row[key] = None
-    return row
 
 
 def xla_student_loss(index_q, index_k, index_weights, q, kv, index_head_chunk: int, matmul: str):
@@ -180,9 +149,6 @@ def run(seq: int, chunks, only=None, libtpu_profile: str = "off", topology: str 
                          libtpu_profile=libtpu_profile, timeout=timeout, estimator=estimator)
         rows.append(dataclasses.asdict(row))
         print(f"  [{label}: {row.status} {row.est_us} us, {time.time() - t0:.0f} s]", file=sys.stderr, flush=True)
-    derived = derived_fused_row(rows, seq)
-    if derived is not None:
-        rows.append(derived)
     return rows
 
 
@@ -192,9 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 8, 64], help="the XLA baseline's head chunks")
     p.add_argument("--index-chunks", type=int, nargs="*", default=[],
-                   help="also the fused student (SPEC §8): one query chunk with the student kernels, the kernels "
-                        "alone and the derived row; then student='xla' and the MaxText-style XLA indexer baseline "
-                        "at these indexer head chunks (H_I=64, d_I=128)")
+                   help="also the fused student (SPEC §8): one query chunk with the student kernels and the "
+                        "kernels alone; then student='xla' and the MaxText-style XLA indexer baseline at these "
+                        "indexer head chunks (H_I=64, d_I=128)")
     p.add_argument("--only", nargs="+", default=None, help="substrings of the program labels to run")
     p.add_argument("--libtpu-profile", default="off", choices=["auto", "on", "off"])
     p.add_argument("--topology", default="v5p:2x2x1")

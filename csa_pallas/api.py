@@ -277,7 +277,8 @@ def indexer_scores(
             raise ValueError("implementation='pallas': the student kernels run on one device's inputs; on inputs "
                              "living on a mesh use None or 'xla' (XLA partitions the XLA student)")
         _, block_end = reference.block_keys(problem)
-        scores = student_scores.scores(st.index_q, st.index_k, st.index_weights, problem.positions, block_end)
+        scores = student_scores.scores(st.index_q, st.index_k, st.index_weights, problem.positions, block_end,
+                                       causal_ratio=problem.compress_ratio if problem.default_ids else None)
         return jnp.where(reference.support(problem), scores, -jnp.inf)
     return student_lib.masked_scores(st, problem)
 

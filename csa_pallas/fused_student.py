@@ -147,6 +147,8 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     prepared = None if not kernels else student_scores.prepare_keys(
         index_k, ctx.kernel_config, student_scores.operand_dtype(index_q.dtype, index_k.dtype))
     keys = index_k if not kernels else prepared.padded  # what each chunk differentiates
+    # One chunk of default ids: the student kernels' skipped tiles come from the grid, like the teacher's schedule.
+    causal_ratio = problem.compress_ratio if num_chunks == 1 and problem.default_ids else None
 
     def chunk_shard(part):
         # One chunk: the problem itself (default ids keep the kernels' causal schedule, computed from the grid).
@@ -158,7 +160,8 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
         if not kernels:
             return student_lib.scores(student_lib.Student(q_rows, k, w_rows, ctx.index_head_chunk), shard)
         k = dataclasses.replace(prepared, padded=k, operand=lax.stop_gradient(prepared.operand))
-        return student_scores.scores(q_rows, k, w_rows, part["positions"], block_end, ctx.kernel_config)
+        return student_scores.scores(q_rows, k, w_rows, part["positions"], block_end, ctx.kernel_config,
+                                     causal_ratio=causal_ratio)
 
     def chunk_rows(start, q_rows, k, w_rows):
         part = {name: lax.dynamic_slice_in_dim(v, start, chunk, axis=1) for name, v in rows.items()}

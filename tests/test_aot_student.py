@@ -66,12 +66,13 @@ def test_no_scores_sized_array_at_long_context(seq, topk, temp_mib):
     assert 0 < report.temp_bytes <= temp_mib * MiB, report
 
 
-@pytest.mark.parametrize("config, dtype", [(None, jnp.bfloat16),
-                                           (student_scores.StudentKernelConfig(block_q=64, block_k=128), jnp.bfloat16),
-                                           (student_scores.StudentKernelConfig(block_q=128, block_k=512), jnp.float32)])
-def test_student_kernels_compile(config, dtype):
+@pytest.mark.parametrize("config, dtype, causal", [
+    (None, jnp.bfloat16, 4), (None, jnp.bfloat16, None),
+    (student_scores.StudentKernelConfig(block_q=64, block_k=128), jnp.bfloat16, None),
+    (student_scores.StudentKernelConfig(block_q=64, block_k=256), jnp.float32, 4)])
+def test_student_kernels_compile(config, dtype, causal):
     """Forward and backward kernels at S = 4096, N = 1024, H_I = 64, d_I = 128 (bf16: one MXU pass forward, hi + lo
-    backward; f32: HIGHEST)."""
+    backward; f32: HIGHEST), the skipped tiles from the table or (causal=m) from the grid."""
     require_libtpu()
     seq, n = 4096, 1024
     struct = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
@@ -79,7 +80,7 @@ def test_student_kernels_compile(config, dtype):
     def grads(iq, ik, iw, g):
         pos = jnp.arange(seq, dtype=jnp.int32)[None]
         end = (jnp.arange(n, dtype=jnp.int32) * 4 + 3)[None]
-        run = lambda *x: student_scores.scores(*x, pos, end, config)
+        run = lambda *x: student_scores.scores(*x, pos, end, config, causal_ratio=causal)
         return jax.value_and_grad(lambda *x: jnp.sum(run(*x) * g), argnums=(0, 1, 2))(iq, ik, iw)
     compiled = aot.compile_for_tpu(grads, struct(B, seq, H_I, D_I), struct(B, n, D_I), struct(B, seq, H_I),
                                    jax.ShapeDtypeStruct((B, seq, n), jnp.float32))

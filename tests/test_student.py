@@ -94,6 +94,14 @@ def test_pallas_teacher_with_the_student_matches_the_oracle(topk):
     _check(c, kw, "joint", implementation="pallas", index_head_chunk=1)
 
 
+@pytest.mark.parametrize("query_chunk", [None, 16])
+def test_default_ids_through_the_kernels(query_chunk):
+    """One document, no ids passed: one chunk takes the student kernels' causal schedule from the grid (and the
+    teacher's), several chunks their tables; both against the oracle, the scaled cotangent included (sum)."""
+    c, kw = make_student_case(14, seq=64)
+    _check(c, kw, "per_head", implementation="pallas", reduction="sum", query_chunk=query_chunk)
+
+
 @pytest.mark.parametrize("topk, target, reduction", [(None, "joint", "mean"), (6, "joint", "sum"),
                                                       (None, "per_head", "mean_all")])
 def test_query_chunks_through_the_kernels(topk, target, reduction):

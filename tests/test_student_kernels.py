@@ -112,6 +112,30 @@ def test_skip_table_covers_every_visible_pair_and_counts_the_causal_steps():
     assert int(jnp.sum(full)) == 80 and full.size == 128
 
 
+@pytest.mark.parametrize("seq, block_q, block_k", [(200, 16, 128), (520, 32, 128), (1024, 128, 256)])
+def test_causal_schedule_from_the_grid_equals_the_table(seq, block_q, block_k):
+    """Default ids: causal_ratio=m takes the skipped tiles from the grid (what the static estimator can follow);
+    same scores and gradients as the table, and both skip the same steps."""
+    c = _case(7, seq=seq, heads=2, dim=16)
+    cfg = sk.StudentKernelConfig(block_q=block_q, block_k=block_k)
+    table = lambda q, k, w: sk.scores(q, k, w, c["positions"], c["block_end"], cfg)
+    grid = lambda q, k, w: sk.scores(q, k, w, c["positions"], c["block_end"], cfg, causal_ratio=RATIO)
+    args = (c["q"], c["k"], c["w"])
+    np.testing.assert_array_equal(np.asarray(jax.jit(grid)(*args)) * c["visible"],
+                                  np.asarray(jax.jit(table)(*args)) * c["visible"])
+    for run in (table, grid):
+        grads = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a) * c["g"]), argnums=(0, 1, 2)))(*args)
+        if run is table:
+            want = grads
+        else:
+            for a, b in zip(grads, want):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    n = seq // RATIO
+    s_p, n_p = -(-seq // block_q) * block_q, -(-n // block_k) * block_k
+    skip = sk._Skip(s_p // block_q, n_p // block_k, block_q, block_k, RATIO)
+    assert skip.active_steps() == int(np.sum(sk.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)))
+
+
 def test_race_and_out_of_bounds_checking_interpreter():
     c = _case(4, batch=1, seq=48, blocks=140, heads=2, dim=16, num_docs=1)
     params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", num_cores_or_threads=2)

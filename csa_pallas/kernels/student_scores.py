@@ -2,8 +2,8 @@
 
     I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s])        q [S, H_I, d_I], k [N, d_I], w [S, H_I]
 
-Forward (`_scores_kernel`, grid (B, query tiles, kv tiles)): per tile, one [bq, d_I] x [d_I, bk] product per
-indexer head, its ReLU and the head-weighted sum in VMEM; the [bq, H_I, bk] terms never leave the kernel.
+Forward (`_scores_kernel`, grid (B x query tiles zig-zagged, kv tiles)): per tile, one [bq, d_I] x [d_I, bk]
+product per indexer head, its ReLU and the head-weighted sum in VMEM; the [bq, H_I, bk] terms never leave the kernel.
 Backward (`_grads_kernel`, same grid, kv tiles innermost): from the scores' cotangent g [bq, bk] the kernel
 recomputes each head's products and forms G_j = g * w_j * [q_j . k > 0], then
     dq_j += G_j k,   dw_j += rowsum(g * ReLU(q_j . k)),   dk += G_j^T q_j;
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -85,9 +86,41 @@ def _split(x, dtype):
     return hi, (x - hi.astype(jnp.float32)).astype(dtype)
 
 
-def _scores_kernel(table_ref, q_ref, w_ref, k_ref, out_ref, *, num_heads, head_dim, nq, nk):
-    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    needed = table_ref[(b * nq + i) * nk + j] != 0
+def _tile(p, nq: int):
+    """Grid index p over (batch, query tiles) -> (b, query tile), the tiles zig-zagged so that the two
+    TensorCores, which split the leading parallel axis in halves, get equal causal work."""
+    return common.index_div(p, nq), common.zigzag(common.index_rem(p, nq), nq)
+
+
+def _needed(table_ref, skip: "_Skip"):
+    """Whether this grid step's (query tile, kv tile) holds a pair some query may see: from the table, or for
+    one document at positions 0..S-1 from the grid (the kv tile's first block ends by the tile's last query)."""
+    (b, i), j = _tile(pl.program_id(0), skip.nq), pl.program_id(1)
+    if skip.causal_ratio is None:
+        return table_ref[(b * skip.nq + i) * skip.nk + j] != 0
+    m = skip.causal_ratio
+    return j * (skip.block_k * m) + (m - 1) <= i * skip.block_q + (skip.block_q - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Skip:
+    nq: int
+    nk: int
+    block_q: int
+    block_k: int
+    causal_ratio: Optional[int]  # m: default ids, the schedule from the grid; None: the scalar-prefetched table
+
+    def active_steps(self) -> int:
+        """(query tile, kv tile) steps that compute, per batch row: counted for the causal schedule; every step for
+        the table (data-dependent: an upper bound)."""
+        if self.causal_ratio is None:
+            return self.nq * self.nk
+        m, bq, bk = self.causal_ratio, self.block_q, self.block_k
+        return sum(1 for i in range(self.nq) for j in range(self.nk) if j * bk * m + m - 1 <= i * bq + bq - 1)
+
+
+def _scores_kernel(table_ref, q_ref, w_ref, k_ref, out_ref, *, num_heads, head_dim, skip):
+    needed = _needed(table_ref, skip)
 
     @pl.when(needed)
     def _():
@@ -105,9 +138,9 @@ def _scores_kernel(table_ref, q_ref, w_ref, k_ref, out_ref, *, num_heads, head_d
 
 
 def _grads_kernel(table_ref, q_ref, w_ref, k_ref, g_ref, dq_ref, dw_ref, dk_ref, dq_acc, *, num_heads, head_dim,
-                  nq, nk):
-    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    needed = table_ref[(b * nq + i) * nk + j] != 0
+                  skip):
+    j, nk = pl.program_id(1), skip.nk
+    needed = _needed(table_ref, skip)
 
     @pl.when(j == 0)
     def _():
@@ -150,6 +183,7 @@ class _Static:
     head_dim: int  # d_p
     operand_dtype: object
     interpret: object
+    causal_ratio: Optional[int] = None  # see `_Skip`
 
     @property
     def nq(self):
@@ -159,34 +193,39 @@ class _Static:
     def nk(self):
         return self.padded_blocks // self.cfg.block_k
 
+    @property
+    def skip(self) -> _Skip:
+        return _Skip(self.nq, self.nk, self.cfg.block_q, self.cfg.block_k, self.causal_ratio)
+
 
 def _specs(st: _Static):
     bq, bk, hd = st.cfg.block_q, st.cfg.block_k, st.num_heads * st.head_dim
-    q = pl.BlockSpec((None, bq, hd), lambda b, i, j, t: (b, i, 0))
-    w = pl.BlockSpec((None, bq, st.num_heads), lambda b, i, j, t: (b, i, 0))
-    k = pl.BlockSpec((None, bk, st.head_dim), lambda b, i, j, t: (b, j, 0))
-    tile = pl.BlockSpec((None, bq, bk), lambda b, i, j, t: (b, i, j))
+    rows = lambda p, j, t: (*_tile(p, st.nq), 0)
+    q = pl.BlockSpec((None, bq, hd), rows)
+    w = pl.BlockSpec((None, bq, st.num_heads), rows)
+    k = pl.BlockSpec((None, bk, st.head_dim), lambda p, j, t: (common.index_div(p, st.nq), j, 0))
+    tile = pl.BlockSpec((None, bq, bk), lambda p, j, t: (*_tile(p, st.nq), j))
     return q, w, k, tile
 
 
 def _pairs_bytes(st: _Static, itemsize: int):
-    """(MXU flops of one product over every tile pair, HBM bytes of the inputs read by the grid)."""
+    """(MXU flops of one product over the tile pairs that compute, HBM bytes of the inputs read by the grid)."""
     b, s, n, h, d = st.batch, st.padded_rows, st.padded_blocks, st.num_heads, st.head_dim
-    flops = 2 * b * s * n * h * d
+    flops = 2 * b * st.skip.active_steps() * st.cfg.block_q * st.cfg.block_k * h * d
     read = b * (s * h * d + s * h * 4 + st.nq * n * d) * itemsize
     return flops, read
 
 
 def _forward(st: _Static, table, q, w, k):
     qs, ws, ks, tile = _specs(st)
-    kernel = functools.partial(_scores_kernel, num_heads=st.num_heads, head_dim=st.head_dim, nq=st.nq, nk=st.nk)
+    kernel = functools.partial(_scores_kernel, num_heads=st.num_heads, head_dim=st.head_dim, skip=st.skip)
     flops, read = _pairs_bytes(st, jnp.dtype(st.operand_dtype).itemsize)
     return runtime.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((st.batch, st.padded_rows, st.padded_blocks), jnp.float32),
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(st.batch, st.nq, st.nk),
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(st.batch * st.nq, st.nk),
                                                in_specs=[qs, ws, ks], out_specs=tile),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                              vmem_limit_bytes=st.cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0,
                                       bytes_accessed=read + 4 * st.batch * st.padded_rows * st.padded_blocks),
@@ -198,7 +237,7 @@ def _forward(st: _Static, table, q, w, k):
 def _backward(st: _Static, table, q, w, k, g, dq_dtype):
     qs, ws, ks, tile = _specs(st)
     bq, bk, hd = st.cfg.block_q, st.cfg.block_k, st.num_heads * st.head_dim
-    kernel = functools.partial(_grads_kernel, num_heads=st.num_heads, head_dim=st.head_dim, nq=st.nq, nk=st.nk)
+    kernel = functools.partial(_grads_kernel, num_heads=st.num_heads, head_dim=st.head_dim, skip=st.skip)
     flops, read = _pairs_bytes(st, jnp.dtype(st.operand_dtype).itemsize)
     passes = 1 if st.operand_dtype == jnp.float32 else 2
     b, s, n = st.batch, st.padded_rows, st.padded_blocks
@@ -209,12 +248,12 @@ def _backward(st: _Static, table, q, w, k, g, dq_dtype):
                    jax.ShapeDtypeStruct((b, s, st.num_heads), jnp.float32),
                    jax.ShapeDtypeStruct((b, st.nq, n, st.head_dim), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(b, st.nq, st.nk), in_specs=[qs, ws, ks, tile],
-            out_specs=(pl.BlockSpec((None, bq, hd), lambda b, i, j, t: (b, i, 0)),
-                       pl.BlockSpec((None, bq, st.num_heads), lambda b, i, j, t: (b, i, 0)),
-                       pl.BlockSpec((None, None, bk, st.head_dim), lambda b, i, j, t: (b, i, j, 0))),
+            num_scalar_prefetch=1, grid=(b * st.nq, st.nk), in_specs=[qs, ws, ks, tile],
+            out_specs=(pl.BlockSpec((None, bq, hd), lambda p, j, t: (*_tile(p, st.nq), 0)),
+                       pl.BlockSpec((None, bq, st.num_heads), lambda p, j, t: (*_tile(p, st.nq), 0)),
+                       pl.BlockSpec((None, None, bk, st.head_dim), lambda p, j, t: (*_tile(p, st.nq), j, 0))),
             scratch_shapes=[pltpu.VMEM((bq, hd), jnp.float32)]),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=st.cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=(1 + 2 * passes) * flops, transcendentals=0,
                                       bytes_accessed=read + 4 * b * s * n + written),
@@ -286,13 +325,27 @@ def prepare_keys(index_k, cfg: StudentKernelConfig, operands) -> Keys:
     return Keys(padded, padded.astype(operands), n, d)
 
 
-def scores(index_q, index_k, index_weights, positions, block_end, cfg: StudentKernelConfig | None = None):
+def flat_queries(index_q, cfg: StudentKernelConfig):
+    """index_q float [B, S, H_I, d_I] -> [B, S_p, H_I * d_p], the kernels' layout (rows padded to block_q, d_I
+    zero-padded to 128 lanes, index_q's dtype). From a [B, S, H_I, d_I] parameter this is a relayout copy in HBM
+    (the tiles of the last two dims change); a projection that produces index_q can be laid out for it."""
+    b, s, h, d = index_q.shape
+    s_p, d_p = common.round_up(s, cfg.block_q), common.round_up(d, 128)
+    q = index_q
+    if s_p != s or d_p != d:
+        q = jnp.pad(q, ((0, 0), (0, s_p - s), (0, 0), (0, d_p - d)))
+    return q.reshape(b, s_p, h * d_p)
+
+
+def scores(index_q, index_k, index_weights, positions, block_end, cfg: StudentKernelConfig | None = None,
+           causal_ratio: Optional[int] = None):
     """I, f32 [B, S, N], every entry a query may see computed (others 0 or the exact score); differentiable wrt
     the three indexer tensors (exact zeros where the cotangent of I is 0).
 
-    index_q float [B, S, H_I, d_I]; index_k float [B, N, d_I], or `Keys` prepared with this cfg (then its padded
-    f32 keys get the cotangent); index_weights float [B, S, H_I]; positions int [B, S] (the queries' positions);
-    block_end int32 [B, N] (`masks.block_keys`: a block's last position, or INVALID_BLOCK_END)."""
+    index_q float [B, S, H_I, d_I]; index_k float [B, N, d_I], or `Keys` prepared with this cfg (then its padded f32 keys get the cotangent); index_weights float [B, S, H_I]; positions int [B, S] (the queries' positions);
+    block_end int32 [B, N] (`masks.block_keys`: a block's last position, or INVALID_BLOCK_END). causal_ratio: m
+    when the ids are the default (one document, positions 0..S-1, block s ending at s m + m - 1): the tiles to
+    skip then come from the grid (no table; the static estimator sees the trip counts)."""
     b, s, h, d = index_q.shape
     n = index_k.num_blocks if isinstance(index_k, Keys) else index_k.shape[1]
     if cfg is None:
@@ -306,15 +359,10 @@ def scores(index_q, index_k, index_weights, positions, block_end, cfg: StudentKe
     if b * (s_p // cfg.block_q) * (n_p // cfg.block_k) > MAX_TABLE_ENTRIES:
         raise ValueError(f"index_q: the student kernels' skip table for S={s}, N={n} exceeds SMEM; take the "
                          f"loss over query chunks (fused_student) or raise block_q / block_k")
-    st = _Static(cfg, b, s_p, n_p, h, d_p, keys.operand.dtype, runtime.interpret_mode())
+    st = _Static(cfg, b, s_p, n_p, h, d_p, keys.operand.dtype, runtime.interpret_mode(), causal_ratio)
     # index_q keeps its dtype (its cotangent is final: each query row's dq is produced once, rounded once from
-    # the kernel's f32 accumulator); index_weights enters as f32 (an exact upcast of a small array). The
-    # [B, S, H_I, d_I] -> [B, S, H_I * d_p] reshape is a relayout copy in HBM for a parameter (the tiles of the
-    # last two dims change); a projection that produces index_q can be laid out for it.
-    q = index_q
-    if s_p != s or d_p != d:
-        q = jnp.pad(q, ((0, 0), (0, s_p - s), (0, 0), (0, d_p - d)))
-    q = q.reshape(b, s_p, h * d_p)
+    # the kernel's f32 accumulator); index_weights enters as f32 (an exact upcast of a small array).
+    q = flat_queries(index_q, cfg)
     w = jnp.pad(index_weights.astype(jnp.float32), ((0, 0), (0, s_p - s), (0, 0)))
     table = skip_table(positions, block_end, s_p, n_p, cfg)
     return _scores(st, table, q, w, keys.padded, keys.operand)[:, :s, :n]
