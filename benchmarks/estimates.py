@@ -81,6 +81,13 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
         out.append((FUSED_ONE_CHUNK, "fwd+bwd", one_chunk, student_names))
         out.append((STUDENT_KERNELS, "fwd+bwd", student_kernels_loss, ["index_q", "index_k", "index_weights",
                                                                           "logits"]))
+    if index_chunks:
+        def sparse_fused(iq, ik, iw, q, kv, topk):
+            # topk_indices come as [B, S, N] (every case's inputs share one width); the loss reads K = 512 of them.
+            return jax.value_and_grad(lambda *x: csa_pallas.fused_indexer_distill_loss(
+                *x, q, kv, topk_indices=topk[:, :, :SPARSE_K], compress_ratio=m, target="per_head"),
+                argnums=(0, 1, 2))(iq, ik, iw)
+        out.append((SPARSE_FUSED, "fwd+bwd", sparse_fused, student_names + ["topk_indices"]))
     for c in index_chunks:
         def fused_student(iq, ik, iw, q, kv, c=c):
             return jax.value_and_grad(lambda *x: csa_pallas.fused_indexer_distill_loss(
@@ -104,6 +111,9 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
     return out
 
 
+SPARSE_K = 512
+SPARSE_FUSED = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K} (XLA student, default query "
+                f"chunks, topk_indices sliced from [B, S, N])")
 FUSED_ONE_CHUNK = "fwd+bwd fused_indexer_distill_loss per_head (student kernels, one query chunk)"
 STUDENT_KERNELS = "fwd+bwd student kernels alone (default ids: causal schedule from the grid)"
 
@@ -158,9 +168,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 8, 64], help="the XLA baseline's head chunks")
     p.add_argument("--index-chunks", type=int, nargs="*", default=[],
-                   help="also the fused student (SPEC §8): one query chunk with the student kernels and the "
-                        "kernels alone; then student='xla' and the MaxText-style XLA indexer baseline at these "
-                        "indexer head chunks (H_I=64, d_I=128)")
+                   help="also the fused student (SPEC §8): one query chunk with the student kernels, the "
+                        "kernels alone and sparse mode (K=512, default chunks); then student='xla' and the "
+                        "MaxText-style XLA indexer baseline at these indexer head chunks (H_I=64, d_I=128)")
     p.add_argument("--only", nargs="+", default=None, help="substrings of the program labels to run")
     p.add_argument("--libtpu-profile", default="off", choices=["auto", "on", "off"])
     p.add_argument("--topology", default="v5p:2x2x1")

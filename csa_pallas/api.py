@@ -353,6 +353,7 @@ def fused_indexer_distill_loss(
         return placed
     placement.check_kernels_can_run_here(problem)
     if index_head_chunk is None:
-        st = dataclasses.replace(st, head_chunk=fused_student.default_index_head_chunk(st.num_heads))
+        st = dataclasses.replace(st, head_chunk=fused_student.default_index_head_chunk(st.num_heads,
+                                                                                               problem.sparse))
     return fused_student.loss(st, problem, reduction=reduction, scale=scale, query_chunk=query_chunk,
                               student=student)

@@ -41,10 +41,15 @@ TARGET_CHUNK_BYTES = 64 << 20  # the scores of one chunk, their gradient and the
 MIN_QUERY_CHUNK = 64
 
 
-def default_index_head_chunk(num_index_heads: int) -> int:
-    """The student's heads per step on the chunked path: the largest divisor of H_I that is <= 8 (its
-    [chunk, heads, N] terms are most of a chunk's memory)."""
-    return max(c for c in range(1, min(num_index_heads, 8) + 1) if num_index_heads % c == 0)
+def default_index_head_chunk(num_index_heads: int, sparse: bool = False) -> int:
+    """The XLA student's heads per step on the chunked path: the largest divisor of H_I that is <= 8 in dense mode
+    (its [chunk, heads, N] terms are most of a chunk's memory), <= 32 in sparse mode ([chunk, heads, K] terms are
+    small; each step re-reads and re-accumulates the gathered keys' f32 cotangent, [chunk, K, d_I]). Sparse
+    estimates at S = 32K, K = 512, H_I = 64, d_I = 128 (fused op, forward + backward, BEST ESTIMATE): 284 / 184 /
+    133 / 110 ms at 4 / 8 / 16 / 32 heads per step; 64 (no scan) is 193, of which 101 is the estimator's HBM
+    floor counting the whole index_q for a fusion that slices one chunk of it (its bundle estimate: 88 vs 94)."""
+    limit = 32 if sparse else 8
+    return max(c for c in range(1, min(num_index_heads, limit) + 1) if num_index_heads % c == 0)
 
 
 def default_query_chunk(problem: Problem, index_head_chunk: int, index_dim: int = 0,
@@ -84,7 +89,17 @@ def _chunk_problem(problem: Problem, rows: dict) -> Problem:
         kv_positions=problem.kv_positions, compress_ratio=problem.compress_ratio, window_size=problem.window_size,
         softmax_scale=problem.softmax_scale, target=problem.target, head_chunk=problem.head_chunk,
         implementation="pallas", **stats)
-    return dataclasses.replace(chunk, kv_ready=problem.kv_ready)
+    return dataclasses.replace(chunk, kv_ready=problem.kv_ready, resident_kv=problem.resident_kv,
+                               default_keys=problem.one_document_prefix)
+
+
+def _poisoned(chunk: Problem, bad_block) -> Problem:
+    """The chunk with q NaN on every row that has a block flagged in bad_block (bool [B, N]) in V(t): such a row's
+    scores are then all NaN, as a NaN-filled key row would make them (SPEC §3: the rows that read a non-finite value
+    are NaN, the others untouched). Dense mode only: V(t) is compares there, while sparse mode's would be XLA
+    gathers of [B, rows, K] (~45 ms of estimate over the chunks at S = 32K, K = 512)."""
+    hit = reference.reads_bad_block(chunk, reference.support(chunk), bad_block)
+    return dataclasses.replace(chunk, q=jnp.where(hit[:, :, None, None], jnp.nan, chunk.q).astype(chunk.q.dtype))
 
 
 STUDENTS = ("auto", "pallas", "xla")
@@ -107,7 +122,7 @@ def resolve_student(student, problem: Problem):
 # The Problem fields that hold arrays: they travel into the custom_vjp as arguments (a static template keeps the
 # rest), so nothing traced is closed over.
 _ARRAY_FIELDS = ("q", "compressed_kv", "segment_ids", "positions", "kv_segment_ids", "kv_positions", "topk_indices",
-                 "window_kv", "sinks", "noncompressed_lse", "full_lse", "loss_mask")
+                 "window_kv", "sinks", "noncompressed_lse", "full_lse", "loss_mask", "resident_kv")
 _ROW_FIELDS = ("q", "segment_ids", "positions", "topk_indices", "loss_mask", "noncompressed_lse", "full_lse")
 
 
@@ -120,6 +135,10 @@ class _Chunks:
     chunk: int
     kernel_config: Optional[student_scores.StudentKernelConfig]  # None: the XLA student
     index_head_chunk: int
+    # Every row's static weight in the loss (`loss_vjp.uniform_row_weight`): the KL sum is returned times it and
+    # the fused KL kernel writes G times it, so the gradients come out final (a constant-1 cotangent is free).
+    row_weight: float = 1.0
+    poison_rows: bool = False  # compressed_kv as given: the chunks make the readers of a non-finite block NaN
 
 
 def _stack_chunks(x, num_chunks: int, chunk: int):
@@ -150,11 +169,15 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     # One chunk of default ids: the student kernels' skipped tiles come from the grid, like the teacher's schedule.
     causal_ratio = problem.compress_ratio if num_chunks == 1 and problem.default_ids else None
 
+    # The keys are not NaN-filled (`_prepare`): the blocks holding a non-finite value, once.
+    bad_block = reference.non_finite_blocks(problem.compressed_kv) if ctx.poison_rows else None
+
     def chunk_shard(part):
         # One chunk: the problem itself (default ids keep the kernels' causal schedule, computed from the grid).
         if num_chunks == 1:
             return dataclasses.replace(problem, noncompressed_lse=part.get("noncompressed_lse"))
-        return _chunk_problem(problem, part)
+        shard = _chunk_problem(problem, part)
+        return _poisoned(shard, bad_block) if ctx.poison_rows else shard
 
     def student_fn(part, shard, q_rows, k, w_rows):
         if not kernels:
@@ -173,7 +196,7 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
             return plan.fused_kl_rows(logits, shard, plan.layout(shard, kl_logits_dtype=logits.dtype))
         logits, student_vjp = jax.vjp(fn, q_rows, k, w_rows)
         kl, nonempty, grad = plan.fused_kl_rows(logits, shard, plan.layout(shard, kl_logits_dtype=logits.dtype),
-                                                with_gradient=True)
+                                                with_gradient=True, grad_scale=ctx.row_weight)
         return (kl, nonempty), student_vjp(grad)
 
     starts = jnp.arange(num_chunks) * chunk
@@ -204,22 +227,23 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kl_sum(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict):
-    """(sum_t KL_t, non-empty rows [B, S]); differentiable wrt the student's three tensors (the gradient taken in
-    the forward pass, see the module docstring); the teacher's arrays get exact zero cotangents."""
+    """(ctx.row_weight * sum_t KL_t, non-empty rows [B, S]); differentiable wrt the student's three tensors (the
+    gradient taken in the forward pass, see the module docstring); the teacher's arrays get exact zero cotangents."""
     kl, nonempty = _scan_rows(ctx, index_q, index_k, index_weights, teacher, with_gradient=False)
-    return jnp.sum(kl), nonempty
+    return ctx.row_weight * jnp.sum(kl), nonempty
 
 
 def _kl_sum_fwd(ctx, index_q, index_k, index_weights, teacher):
     kl, nonempty, grads = _scan_rows(ctx, index_q, index_k, index_weights, teacher, with_gradient=True)
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (index_q, index_k, index_weights, teacher))
-    return (jnp.sum(kl), nonempty), (grads, like)
+    return (ctx.row_weight * jnp.sum(kl), nonempty), (grads, like)
 
 
 def _kl_sum_bwd(ctx, residuals, cotangents):
     grads, (q_like, k_like, w_like, teacher_like) = residuals
     ct = cotangents[0]
-    # One rounding more for 16-bit inputs when ct is not a power of two (the kernel rounded its f32 gradient once).
+    # One rounding more for 16-bit inputs when ct is not a power of two (the kernel rounded its f32 gradient once);
+    # a constant-1 cotangent (the loss itself differentiated, row_weight folded into G) leaves XLA nothing to do.
     out = tuple((ct * g.astype(jnp.float32)).astype(like.dtype) for g, like in zip(grads, (q_like, k_like, w_like)))
     zeros = jax.tree.map(lambda like: jnp.zeros(like.shape, like.dtype), teacher_like)  # SPEC §8: exact zeros
     return out + (zeros,)
@@ -228,9 +252,9 @@ def _kl_sum_bwd(ctx, residuals, cotangents):
 _kl_sum.defvjp(_kl_sum_fwd, _kl_sum_bwd)
 
 
-def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student):
+def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student, row_weight: float = 1.0):
     """(the static `_Chunks`, the teacher's arrays) of one chunked loss; u computed here for a joint target."""
-    from csa_pallas import ops
+    from csa_pallas import ops, ops_sparse
     use_kernels, forced = resolve_student(student, problem)
     if query_chunk is None:
         chunk = default_query_chunk(problem, st.head_chunk, st.index_q.shape[3], student_kernels=use_kernels)
@@ -241,17 +265,35 @@ def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student):
         kernel_config = forced or student_scores.default_config(seq_len=chunk, num_blocks=problem.num_blocks)
     if problem.target == "joint" and problem.full_lse is None and problem.noncompressed_lse is None:
         problem = dataclasses.replace(problem, noncompressed_lse=lax.stop_gradient(ops.noncompressed_lse(problem)))
-    # The teacher's key operand once for every chunk (not a cast and NaN fill of compressed_kv per chunk).
-    problem = dataclasses.replace(problem, compressed_kv=ops.kernel_keys(problem), kv_ready=True)
+    # The teacher's key operands once for every chunk (not a cast and NaN fill per chunk), without a NaN-filled
+    # copy of compressed_kv where the chunks can do without (at S = 128K it was the largest temp, 32 MiB):
+    #  * one chunk: the problem itself, `ops.kernel_keys` (non-finite rows NaN-filled, a copy);
+    #  * dense, several chunks: the keys as given; each chunk makes its rows that read a non-finite block NaN
+    #    through their query rows (`_poisoned`; the chunk's q rows are a copy anyway): the same rows NaN (SPEC §3);
+    #  * sparse gather path, several chunks: the resident rows packed once from the NaN-filled keys (the fill
+    #    fuses into the packing; inside the scan they were packed per chunk, a 64 MiB u32 temporary at 128K);
+    #  * sparse visit path: the NaN-filled keys (short context: N is small there).
+    many = chunk < problem.seq_len
+    gather = False
+    if many and problem.sparse:  # the path depends on N, H and K only: the chunks take this one
+        layout = ops_sparse.sparse_layout(problem, kl_logits_dtype=jnp.float32)
+        gather = layout.path == "gather"
+        if gather:
+            problem = dataclasses.replace(problem, resident_kv=ops_sparse.resident_keys(problem, layout))
+    poison_rows = many and not problem.sparse
+    keys = ops.cast_keys(problem) if poison_rows or gather else ops.kernel_keys(problem)
+    problem = dataclasses.replace(problem, compressed_kv=keys, kv_ready=True)
     teacher = {name: getattr(problem, name) for name in _ARRAY_FIELDS if getattr(problem, name) is not None}
     template = dataclasses.replace(problem, **dict.fromkeys(_ARRAY_FIELDS))
-    return _Chunks(template, problem.seq_len // chunk, chunk, kernel_config, st.head_chunk), teacher
+    return _Chunks(template, problem.seq_len // chunk, chunk, kernel_config, st.head_chunk, row_weight,
+                   poison_rows), teacher
 
 
-def kl_total(st: student_lib.Student, problem: Problem, *, query_chunk: Optional[int] = None, student="auto"):
-    """(sum_t KL_t f32 scalar, non-empty rows bool [B, S]): the gradient taken in the forward pass (module
-    docstring); what every scalar reduction is made of."""
-    ctx, teacher = _prepare(st, problem, query_chunk, student)
+def kl_total(st: student_lib.Student, problem: Problem, *, query_chunk: Optional[int] = None, student="auto",
+             row_weight: float = 1.0):
+    """(row_weight * sum_t KL_t f32 scalar, non-empty rows bool [B, S]): the gradient taken in the forward pass
+    (module docstring); what every scalar reduction is made of. row_weight: a static number (see `_Chunks`)."""
+    ctx, teacher = _prepare(st, problem, query_chunk, student, row_weight)
     return _kl_sum(ctx, st.index_q, st.index_k, st.index_weights, teacher)
 
 
@@ -269,5 +311,13 @@ def loss(st: student_lib.Student, problem: Problem, *, reduction: str, scale, qu
     if reduction == "none":  # a cotangent per row: autodiff through the rematerialised scan
         kl, nonempty = kl_rows(st, problem, query_chunk=query_chunk, student=student)
         return reference.reduce_rows(kl, nonempty, reduction, scale)
+    from csa_pallas import loss_vjp, ops
+    # Every row weighed by one static number (sum, mean_all, mean with default ids): folded into the kernels' G.
+    known = ops.static_nonempty_rows(problem) if not problem.sparse and ops.causal_schedule(problem) else None
+    uniform = loss_vjp.uniform_row_weight(reduction, scale, problem.batch, problem.seq_len, known)
+    if uniform is not None:
+        weight, traced_scale = uniform
+        total, _ = kl_total(st, problem, query_chunk=query_chunk, student=student, row_weight=weight)
+        return total if traced_scale is None else total * traced_scale
     total, nonempty = kl_total(st, problem, query_chunk=query_chunk, student=student)
     return reference.reduce_total(total, nonempty, reduction, scale)

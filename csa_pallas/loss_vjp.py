@@ -174,16 +174,16 @@ _fused_weighted_loss.defvjp(_fused_weighted_loss_fwd, _fused_weighted_loss_bwd)
 
 
 def fused_rows(indexer_logits, static: FusedStatic, operands, *, padded_seq: int, padded_width: int,
-               with_gradient: bool = False):
+               with_gradient: bool = False, grad_scale: float = 1.0):
     """Per-row KL [B, S] (differentiable wrt indexer_logits) and the non-empty row mask [B, S] from a fused
-    teacher + KL kernel (shared by dense and sparse mode). with_gradient: also the gradient of sum_t KL_t wrt the
-    logits, f32 [B, S, W] (the kernel's G, emitted by the same launch; not differentiable), for callers that take
-    the gradient in the forward pass (`fused_student`)."""
+    teacher + KL kernel (shared by dense and sparse mode). with_gradient: also the gradient of
+    grad_scale * sum_t KL_t wrt the logits, f32 [B, S, W] (the kernel's G written times grad_scale, emitted by the
+    same launch; not differentiable), for callers that take the gradient in the forward pass (`fused_student`)."""
     b, s, w = indexer_logits.shape
     logits = pad_axis(pad_axis(indexer_logits.astype(logits_dtype(indexer_logits)), 1, padded_seq), 2,
                       padded_width)
     if with_gradient:
-        stats, grad = static.launch(True, logits, operands)
+        stats, grad = dataclasses.replace(static, grad_scale=grad_scale).launch(True, logits, operands)
     else:
         stats = _fused_kl_stats(static, logits, operands)
     rows = stats[:, :, 0, :].reshape(b, -1)[:, :s]

@@ -55,8 +55,12 @@ def kernel_keys(problem: Problem):
     non-finite value NaN (`nan_filled_rows`); as given when problem.kv_ready says it already is."""
     if problem.kv_ready:
         return problem.compressed_kv
-    dtype = compute_dtype(problem.q, problem.compressed_kv)
-    return nan_filled_rows(jax.lax.stop_gradient(problem.compressed_kv).astype(dtype))
+    return nan_filled_rows(cast_keys(problem))
+
+
+def cast_keys(problem: Problem):
+    """compressed_kv stop-gradient in `compute_dtype` (no copy when it already is), non-finite rows as given."""
+    return jax.lax.stop_gradient(problem.compressed_kv).astype(compute_dtype(problem.q, problem.compressed_kv))
 
 
 def nan_filled_rows(x):
@@ -313,11 +317,12 @@ def _dense_fused(inputs: TeacherInputs, layout: DenseLayout, problem: Problem, k
 
 
 def fused_kl_rows(indexer_logits, inputs: TeacherInputs, layout: DenseLayout, problem: Problem,
-                  kl_chunk: int = fused_kl.FusedKL.chunk, with_gradient: bool = False):
+                  kl_chunk: int = fused_kl.FusedKL.chunk, with_gradient: bool = False, grad_scale: float = 1.0):
     """Dense mode: per-row KL [B, S] and non-empty mask [B, S] from the teacher kernel with the fused KL (P stays
-    in VMEM). kl_chunk: lanes per epilogue step (see `fused_kl.FusedKL`); with_gradient: see `fused_rows`."""
+    in VMEM). kl_chunk: lanes per epilogue step (see `fused_kl.FusedKL`); with_gradient, grad_scale: see
+    `fused_rows`."""
     static, operands, padded = _dense_fused(inputs, layout, problem, kl_chunk)
-    return fused_rows(indexer_logits, static, operands, **padded, with_gradient=with_gradient)
+    return fused_rows(indexer_logits, static, operands, **padded, with_gradient=with_gradient, grad_scale=grad_scale)
 
 
 def fused_kl_loss(indexer_logits, inputs: TeacherInputs, layout: DenseLayout, problem: Problem, row_weight: float,

@@ -155,15 +155,15 @@ def normalize_slots(head_sum: jax.Array) -> jax.Array:
 
 
 def _visible_limit(problem: Problem) -> jax.Array:
-    """Default ids: int [B, S], row t sees blocks [0, limit): block s is complete at t = (s + 1) m - 1, so
-    s < (t + 1) // m (clamped to N: no int32 overflow)."""
+    """`Problem.one_document_prefix`: int [B, S], row t sees blocks [0, limit): block s is complete at
+    t = (s + 1) m - 1, so s < (t + 1) // m (clamped to N: no int32 overflow)."""
     return jnp.minimum((problem.positions + 1) // problem.compress_ratio, problem.num_blocks)
 
 
 def slot_validity(problem: Problem) -> jax.Array:
     """bool [B, S, K]: slot k of row t is in V(t) (SPEC §2) and the row takes part in the loss."""
     idx = problem.topk_indices
-    if problem.default_ids:
+    if problem.one_document_prefix:
         valid = (idx >= 0) & (idx < _visible_limit(problem)[:, :, None])
     else:
         block_segment, block_end = reference.block_keys(problem)
@@ -193,12 +193,12 @@ def padded_indices(problem: Problem, layout: SparseLayout) -> jax.Array:
 
 def padded_slot_bits(problem: Problem, layout: SparseLayout, idx=None) -> jax.Array:
     """V(t) as slot bits (`selection.slot_bits_pallas`): int32 [B, S_p, K_p / 32] (padding rows and slots empty).
-    Default positions: from the rows' limits (no [B, S, K]-sized temporary); packed documents: the validity is
-    computed in XLA (it gathers the blocks' metadata) and packed as int8."""
+    Default positions (`Problem.one_document_prefix`): from the rows' limits (no [B, S, K]-sized temporary);
+    packed documents: the validity is computed in XLA (it gathers the blocks' metadata) and packed as int8."""
     idx = padded_indices(problem, layout) if idx is None else idx
     interpret = runtime.interpret_mode()
     rows = selection.build_rows(problem.seq_len)
-    if problem.default_ids:
+    if problem.one_document_prefix:
         limit = _visible_limit(problem)
         if problem.loss_mask is not None:
             limit = jnp.where(problem.loss_mask, limit, 0)
@@ -224,6 +224,13 @@ def selection_inputs(problem: Problem, layout: SparseLayout) -> Selection:
     return Selection(idx=idx, vbits=vbits, bits=bits, tables=tables, firsts=firsts, counts=counts)
 
 
+def resident_keys(problem: Problem, layout: SparseLayout) -> jax.Array:
+    """The gather path's resident rows: `problem.resident_kv` when the caller packed them, else packed here."""
+    if problem.resident_kv is not None:
+        return problem.resident_kv
+    return sparse_gather.resident_rows(ops.pad_axis(ops.kernel_keys(problem), 1, layout.padded_blocks))
+
+
 def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
     """(mode, q, kv, lse_in): the sparse kernels' padded operands (stop-gradient; the gather path's kv as its
     resident rows, `sparse_gather.resident_rows`); reduce_low: see `ops.lse_blocks`."""
@@ -231,11 +238,12 @@ def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
     mode = ops.teacher_mode(problem)
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
     q = ops.pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
-    kv = ops.pad_axis(ops.kernel_keys(problem), 1, layout.padded_blocks)
     to_hbm = None
     if layout.path == "gather":
-        kv = sparse_gather.resident_rows(kv)
+        kv = resident_keys(problem, layout)
         to_hbm = lambda shifted: shifted  # [B, S_p, H]: per-step [bq, H] blocks
+    else:
+        kv = ops.pad_axis(ops.kernel_keys(problem), 1, layout.padded_blocks)
     lse_in = ops.lse_blocks(ops.teacher_lse(problem), problem, cfg, layout.padded_seq, dtype, reduce_low,
                             to_hbm=to_hbm)
     return mode, q, kv, lse_in
@@ -316,16 +324,17 @@ class _FusedSparse:
 
 
 def fused_kl_rows(indexer_logits, problem: Problem, layout: SparseLayout,
-                  kl_chunk: int = fused_kl.FusedKL.chunk, with_gradient: bool = False):
+                  kl_chunk: int = fused_kl.FusedKL.chunk, with_gradient: bool = False, grad_scale: float = 1.0):
     """Per-row KL over the K slots [B, S] and the non-empty mask [B, S] from the sparse teacher kernel (either
-    path) with the fused KL (P stays in VMEM; V(t) = the row's valid slots). with_gradient: see
+    path) with the fused KL (P stays in VMEM; V(t) = the row's valid slots). with_gradient, grad_scale: see
     `loss_vjp.fused_rows`."""
     mode, operands = kernel_operands(problem, layout)
     chunk = getattr(layout.cfg, "kl_chunk", None) or kl_chunk  # GatherConfig has no kl_chunk field
     static = loss_vjp.FusedStatic(_FusedSparse(layout), mode, layout.cfg, layout.schedule, problem.softmax_scale,
                                   problem.seq_len, runtime.interpret_mode(), chunk)
     return loss_vjp.fused_rows(indexer_logits, static, operands, padded_seq=layout.padded_seq,
-                               padded_width=layout.padded_width, with_gradient=with_gradient)
+                               padded_width=layout.padded_width, with_gradient=with_gradient,
+                               grad_scale=grad_scale)
 
 
 def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "mean", scale=1.0, cfg=None):

@@ -4,9 +4,10 @@ without knowing which it is.
 A plan answers, for a validated `Problem`:
   layout(problem, kl_logits_dtype=None)           the padded shapes, tiles and metadata of the mode's kernels
   teacher(problem, layout, normalize, reduce_low) P padded [B, S_p, W_p]; normalize=False: (head sum, row max M)
-  fused_kl_rows(logits, problem, layout, with_gradient=False)
+  fused_kl_rows(logits, problem, layout, with_gradient=False, grad_scale=1.0)
                                                   per-row KL [B, S] and non-empty rows [B, S], P kept in VMEM
-                                                  (with_gradient: also d sum_t KL_t / d logits, f32 [B, S, W])
+                                                  (with_gradient: also d (grad_scale sum_t KL_t) / d logits,
+                                                  f32 [B, S, W])
   kl_rows(logits, target, layout)                 the same from a materialised, padded P
   normalize(head_sum)                             a head sum reduced over shards -> P (`finish_head_sum` pads it)
   valid_entries(head_sum)                         where a head sum holds a real entry (sparse: empty slots < 0)
@@ -34,7 +35,8 @@ class Plan:
     name: str
     layout: Callable  # (problem, kl_logits_dtype=None) -> layout
     teacher: Callable  # (problem, layout, normalize=True, reduce_low=None) -> P padded, or (head sum, M)
-    fused_kl_rows: Callable  # (logits, problem, layout, with_gradient=False) -> (rows, nonempty[, gradient])
+    # (logits, problem, layout, with_gradient=False, grad_scale=1.0) -> (rows, nonempty[, gradient])
+    fused_kl_rows: Callable
     kl_rows: Callable  # (logits, target padded, layout) -> (rows, nonempty)
     normalize: Callable  # head sum over all heads -> P
     padded_width: Callable  # layout -> W_p
@@ -46,8 +48,9 @@ DENSE = Plan(
     name="dense",
     layout=lambda problem, kl_logits_dtype=None: ops.dense_layout(problem, kl_logits_dtype=kl_logits_dtype),
     teacher=ops.teacher_padded,
-    fused_kl_rows=lambda logits, problem, layout, with_gradient=False: ops.fused_kl_rows(
-        logits, ops.teacher_inputs(problem, layout), layout, problem, with_gradient=with_gradient),
+    fused_kl_rows=lambda logits, problem, layout, with_gradient=False, grad_scale=1.0: ops.fused_kl_rows(
+        logits, ops.teacher_inputs(problem, layout), layout, problem, with_gradient=with_gradient,
+        grad_scale=grad_scale),
     kl_rows=ops.kl_rows,
     normalize=teacher_kernel.normalize_rows,
     padded_width=lambda layout: layout.padded_blocks,

@@ -81,14 +81,7 @@ def nonfinite_rows(problem: Problem, valid) -> jax.Array:
     """bool [B, S]: the rows that read a non-finite value (SPEC §3): q[t], compressed_kv of a slot in V(t), a
     window key of Win(t) (joint target with window_kv), a NaN sink, or a NaN in the row's given LSE."""
     bad = jnp.any(~jnp.isfinite(problem.q), axis=(2, 3))
-    bad_block = jnp.any(~jnp.isfinite(problem.compressed_kv), axis=-1)  # [B, N]
-    if problem.sparse:
-        safe, _ = masks.slot_blocks(problem.topk_indices, max(problem.num_blocks, 1))
-        slot_bad = jnp.take_along_axis(bad_block[:, None, :], safe, axis=2) if problem.num_blocks else \
-            jnp.zeros(valid.shape, bool)
-        bad = bad | jnp.any(valid & slot_bad, axis=-1)
-    else:
-        bad = bad | jnp.any(valid & bad_block[:, None, :], axis=-1)
+    bad = bad | reads_bad_block(problem, valid, non_finite_blocks(problem.compressed_kv))
     if problem.target == "joint":
         if problem.window_kv is not None:
             _, window = _window_logits(problem)
@@ -100,6 +93,21 @@ def nonfinite_rows(problem: Problem, valid) -> jax.Array:
             if given is not None:
                 bad = bad | jnp.any(jnp.isnan(given), axis=-1)
     return bad
+
+
+def non_finite_blocks(compressed_kv) -> jax.Array:
+    """bool [B, N]: the blocks of compressed_kv [B, N, D] holding a NaN or +-inf."""
+    return jnp.any(~jnp.isfinite(compressed_kv), axis=-1)
+
+
+def reads_bad_block(problem: Problem, valid, bad_block) -> jax.Array:
+    """bool [B, S]: the rows with a block flagged in bad_block (bool [B, N]) in V(t) (valid: `support`)."""
+    if problem.sparse:
+        safe, _ = masks.slot_blocks(problem.topk_indices, max(problem.num_blocks, 1))
+        slot_bad = jnp.take_along_axis(bad_block[:, None, :], safe, axis=2) if problem.num_blocks else \
+            jnp.zeros(valid.shape, bool)
+        return jnp.any(valid & slot_bad, axis=-1)
+    return jnp.any(valid & bad_block[:, None, :], axis=-1)
 
 
 def row_shift(x):

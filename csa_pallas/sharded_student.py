@@ -81,7 +81,7 @@ def sharded_fused_indexer_distill_loss(
                                               query_chunk=query_chunk, student=student)
     if index_head_chunk is None:
         st = student_lib.Student(st.index_q, st.index_k, st.index_weights,
-                                 fused_student.default_index_head_chunk(st.num_heads))
+                                 fused_student.default_index_head_chunk(st.num_heads, problem.sparse))
     num_seq_shards, num_head_shards = sharding._axis_size(mesh, seq_axis), sharding._axis_size(mesh, head_axis)
     arrays, specs = sharding._shard_inputs(problem, axes)
     arrays.update(index_q=st.index_q, index_k=st.index_k, index_weights=st.index_weights)

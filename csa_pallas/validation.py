@@ -44,9 +44,21 @@ class Problem:
     head_chunk: Optional[int]  # None: the kernel config's default
     implementation: Optional[str]
     default_ids: bool = False  # no ids/positions given: one document, positions 0..S-1, S_kv == S
-    # compressed_kv is already the kernels' key operand (`ops.kernel_keys`: compute dtype, non-finite rows NaN):
-    # set by callers that run the teacher many times on one key sequence (`fused_student`'s query chunks).
+    # Query rows of a default-ids problem (`fused_student`'s chunks): one document, the keys at positions
+    # 0..S_kv-1, the queries at their explicit positions. V(t) is then a prefix of the blocks, as for default ids.
+    default_keys: bool = False
+    # compressed_kv is already the kernels' key operand (`ops.kernel_keys`: compute dtype, non-finite rows NaN, or
+    # `ops.cast_keys` when the caller makes the rows that read them NaN itself): set by callers that run the teacher
+    # many times on one key sequence (`fused_student`'s query chunks).
     kv_ready: bool = False
+    # The sparse gather path's resident rows of the kernels' key operand (`sparse_gather.resident_rows`, padded to
+    # the layout's blocks), packed once by the same callers instead of inside every chunk: u32 [B, planes, R, lanes].
+    resident_kv: Optional[jax.Array] = None
+
+    @property
+    def one_document_prefix(self) -> bool:
+        """V(t) = blocks [0, (positions[t] + 1) // m): default ids, or query rows of a default-ids problem."""
+        return self.default_ids or self.default_keys
 
     @property
     def batch(self) -> int:

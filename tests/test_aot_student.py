@@ -48,8 +48,8 @@ def block_indexed_arrays(hlo_text: str, seq: int, num_blocks: int) -> list:
     return out
 
 
-@pytest.mark.parametrize("seq, topk, temp_mib", [(32768, None, 60), (131072, None, 100), (32768, 512, 72),
-                                                (131072, 512, 132)])
+@pytest.mark.parametrize("seq, topk, temp_mib", [(32768, None, 50), (131072, None, 66), (32768, 512, 72),
+                                                (131072, 512, 100)])
 def test_no_scores_sized_array_at_long_context(seq, topk, temp_mib):
     require_libtpu()
     compiled = _compile(seq, topk)
@@ -59,10 +59,13 @@ def test_no_scores_sized_array_at_long_context(seq, topk, temp_mib):
         assert "csa_student_scores" in text and "csa_student_grads" in text
     assert block_indexed_arrays(text, seq, seq // 4) == []
     report = aot.memory_report(compiled)
-    # Dense: 32K 53.9 MiB measured (256-row chunks), 128K 97.3 MiB (64 rows): the bound is 64 MiB + the
-    # row statistics, over it at 128K by the teacher's NaN-filled key operand (32 MiB, prepared once for every
-    # chunk). Sparse K = 512 (chunks of 64 rows sized for the gathered keys): 32K 68.0 MiB, 128K 127.6 MiB. One
-    # [B, S, N] f32 array: 1 / 16 GiB.
+    # Dense: 32K 46.0 MiB measured (256-row chunks), 128K 63.3 MiB (64 rows): the bound (dense warm-up)
+    # is 64 MiB + the row statistics (per-row KL f32 and non-empty flags stacked over the chunks, 1 MiB each at
+    # 128K), asserted as 66 MiB; compressed_kv is read as given (the chunks make the readers of a non-finite block
+    # NaN through their query rows), no NaN-filled copy (32 MiB at 128K). Sparse K = 512 (chunks of 64 rows sized
+    # for the gathered keys, 32 indexer heads per step): 32K 67.9 MiB, 128K 95.2 MiB (the gather path's resident
+    # rows packed once, 32 MiB at 128K, and the XLA student's [64, K, d_I] f32 gathered keys and their cotangent;
+    # were 68.9 / 127.7 with the resident rows packed inside every chunk). One [B, S, N] f32: 1 / 16 GiB.
     assert 0 < report.temp_bytes <= temp_mib * MiB, report
 
 

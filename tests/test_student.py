@@ -94,12 +94,13 @@ def test_pallas_teacher_with_the_student_matches_the_oracle(topk):
     _check(c, kw, "joint", implementation="pallas", index_head_chunk=1)
 
 
-@pytest.mark.parametrize("query_chunk", [None, 16])
-def test_default_ids_through_the_kernels(query_chunk):
+@pytest.mark.parametrize("query_chunk, reduction", [(None, "sum"), (16, "mean")])
+def test_default_ids_through_the_kernels(query_chunk, reduction):
     """One document, no ids passed: one chunk takes the student kernels' causal schedule from the grid (and the
-    teacher's), several chunks their tables; both against the oracle, the scaled cotangent included (sum)."""
+    teacher's), several chunks their tables; both against the oracle. Both reductions weigh every row by one
+    static number (mean: B (S - m + 1) non-empty rows), which goes into the kernel's G."""
     c, kw = make_student_case(14, seq=64)
-    _check(c, kw, "per_head", implementation="pallas", reduction="sum", query_chunk=query_chunk)
+    _check(c, kw, "per_head", implementation="pallas", reduction=reduction, query_chunk=query_chunk)
 
 
 @pytest.mark.parametrize("topk, target, reduction", [(None, "joint", "mean"), (6, "joint", "sum"),
@@ -128,6 +129,7 @@ def test_query_chunk_must_divide_s_and_default_chunks_fit():
     # the XLA student's gathered keys [chunk, K, d_I]: 94 rows of 64 MiB at K = 512, d_I = 128
     assert fused_student.default_query_chunk(sparse, index_head_chunk=8, index_dim=128) == 64
     assert fused_student.default_index_head_chunk(64) == 8 and fused_student.default_index_head_chunk(6) == 6
+    assert fused_student.default_index_head_chunk(64, sparse=True) == 32
 
 
 @settings(max_examples=6, deadline=None)
@@ -345,3 +347,67 @@ def test_per_row_losses_differentiate_through_the_rematerialised_chunks(student)
     np.testing.assert_allclose(got_rows, want_rows, atol=1e-6, rtol=1e-6)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, atol=1e-6 * float(jnp.max(jnp.abs(b))), rtol=0)
+
+
+@pytest.mark.parametrize("topk", [None, 6])
+@pytest.mark.parametrize("query_chunk", [None, 16])
+def test_a_non_finite_key_block_makes_exactly_its_readers_nan(topk, query_chunk):
+    """SPEC §3 through the fused op: the rows with a non-finite compressed_kv block in V(t) are NaN, the others
+    equal the reference. One chunk NaN-fills the key rows; several chunks in dense mode leave compressed_kv as
+    given (no filled copy) and make the readers' query rows NaN; sparse chunks (visit path here) read the filled
+    keys: all give the reference's rows."""
+    c, kw = make_student_case(21, batch=2, seq=64, topk=topk, num_docs=2, loss_mask=True)
+    kv = np.array(c["compressed_kv"])
+    kv[0, 3, 1], kv[1, 9, 0], kv[1, 12, 2] = np.nan, -np.inf, np.inf
+    c["compressed_kv"] = jnp.asarray(kv)
+
+    def rows(implementation, **options):
+        return csa_pallas.fused_indexer_distill_loss(
+            c["index_q"], c["index_k"], c["index_weights"], c["q"], c["compressed_kv"], **kw, target="joint",
+            reduction="none", implementation=implementation, **options)
+
+    want = np.asarray(rows("xla"))
+    got = np.asarray(jax.jit(lambda: rows("pallas", query_chunk=query_chunk))())
+    assert 0 < np.isnan(want).sum() < want.size  # some rows read a bad block, some do not
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=0, atol=1e-6)
+
+
+def test_query_chunks_on_the_sparse_gather_path_pack_the_resident_keys_once(monkeypatch):
+    """Sparse chunks on the gather path share one packed copy of compressed_kv (`Problem.resident_kv`), against the
+    oracle; a non-finite key block still makes exactly its readers NaN (the resident rows are packed from the
+    NaN-filled keys, no filled copy besides them)."""
+    from csa_pallas import ops_sparse
+    from csa_pallas.kernels import sparse_gather
+    monkeypatch.setattr(ops_sparse, "GATHER_HEAD_BLOCKS_PER_SLOT", 0)  # the dispatch picks the gather path
+    packs = []
+    real = sparse_gather.resident_rows
+    monkeypatch.setattr(sparse_gather, "resident_rows", lambda kv: packs.append(kv.shape) or real(kv))
+    c, kw = make_student_case(23, batch=2, seq=32, topk=6, num_docs=2, loss_mask=True)
+    _check(c, kw, "joint", implementation="pallas", reduction="sum", query_chunk=16, index_head_chunk=1)
+    assert len(packs) == 1, packs  # once for the two chunks (traced once: value and gradient in one pass)
+
+    kv = np.array(c["compressed_kv"])
+    kv[0, 2, 0], kv[1, 5, 3], kv[1, 6, 1] = np.nan, np.inf, -np.inf
+    c["compressed_kv"] = jnp.asarray(kv)
+    rows = lambda implementation, **o: csa_pallas.fused_indexer_distill_loss(
+        c["index_q"], c["index_k"], c["index_weights"], c["q"], c["compressed_kv"], **kw, target="per_head",
+        reduction="none", implementation=implementation, **o)
+    want, got = np.asarray(rows("xla")), np.asarray(rows("pallas", query_chunk=16))
+    assert 0 < np.isnan(want).sum() < want.size
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=0, atol=1e-6)
+
+
+def test_sparse_chunks_of_default_ids_take_the_prefix_validity(monkeypatch):
+    """Query-row chunks of a default-ids problem keep V(t) a prefix of the blocks (`Problem.default_keys`): the
+    slot validity comes from the rows' limits, not from XLA gathers of the blocks' metadata; against the oracle,
+    loss_mask included."""
+    from csa_pallas import masks
+    c, kw = make_student_case(24, seq=64, topk=6)
+    kw["loss_mask"] = jnp.asarray(np.random.default_rng(3).random((1, 64)) > 0.3)
+
+    def no_gathers(*args, **kwargs):
+        raise AssertionError("slot_visible: the chunks of default ids should not gather block metadata")
+    monkeypatch.setattr(masks, "slot_visible", no_gathers)
+    _check(c, kw, "per_head", implementation="pallas", reduction="sum", query_chunk=16)
