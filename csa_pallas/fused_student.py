@@ -313,7 +313,7 @@ def loss(st: student_lib.Student, problem: Problem, *, reduction: str, scale, qu
         return reference.reduce_rows(kl, nonempty, reduction, scale)
     from csa_pallas import loss_vjp, ops
     # Every row weighed by one static number (sum, mean_all, mean with default ids): folded into the kernels' G.
-    known = ops.static_nonempty_rows(problem) if not problem.sparse and ops.causal_schedule(problem) else None
+    known = None if problem.sparse else ops.static_nonempty_rows(problem)
     uniform = loss_vjp.uniform_row_weight(reduction, scale, problem.batch, problem.seq_len, known)
     if uniform is not None:
         weight, traced_scale = uniform

@@ -341,7 +341,7 @@ def indexer_distill_loss(indexer_logits, problem: Problem, *, reduction: str = "
         make_kl_rows=lambda logits, inputs, layout: fused_kl_rows(logits, inputs, layout, problem),
         reduction=reduction, scale=scale,
         make_weighted_loss=lambda logits, inputs, layout, w: fused_kl_loss(logits, inputs, layout, problem, w),
-        static_nonempty_rows=lambda layout: static_nonempty_rows(problem) if layout.schedule.causal else None)
+        static_nonempty_rows=lambda layout: static_nonempty_rows(problem))
 
 
 def default_ids_nonempty_rows(problem: Problem) -> int:
@@ -350,9 +350,10 @@ def default_ids_nonempty_rows(problem: Problem) -> int:
 
 
 def static_nonempty_rows(problem: Problem) -> Optional[int]:
-    """The number of non-empty rows when it is known before the kernel runs (default ids), else None. A row whose
-    every head has a_h = -inf is empty too (SPEC §3): with window keys that needs every sink at +inf, which empties
-    every row at once (the loss is then 0 however it is divided), but a given u or F can do it to single rows."""
-    if problem.noncompressed_lse is not None or problem.full_lse is not None:
+    """The number of non-empty rows when it is known before the kernel runs (dense mode's causal schedule: default
+    ids, no loss_mask), else None. A row whose every head has a_h = -inf is empty too (SPEC §3): with window keys
+    that needs every sink at +inf, which empties every row at once (the loss is then 0 however it is divided), but
+    a given u or F can do it to single rows."""
+    if not causal_schedule(problem) or problem.noncompressed_lse is not None or problem.full_lse is not None:
         return None
     return default_ids_nonempty_rows(problem)

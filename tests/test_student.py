@@ -380,9 +380,10 @@ def test_query_chunks_on_the_sparse_gather_path_pack_the_resident_keys_once(monk
     from csa_pallas import ops_sparse
     from csa_pallas.kernels import sparse_gather
     monkeypatch.setattr(ops_sparse, "GATHER_HEAD_BLOCKS_PER_SLOT", 0)  # the dispatch picks the gather path
-    default = sparse_gather.default_config  # looped slots: a small program for the interpreter (the unrolled
-    looped = lambda **kw: dataclasses.replace(default(**kw), unroll_slots=False)  # one: test_variants)
-    monkeypatch.setattr(sparse_gather, "default_config", looped)
+    # Looped slots: a small program for the interpreter (test_variants covers the unrolled default).
+    default = sparse_gather.default_config
+    monkeypatch.setattr(sparse_gather, "default_config",
+                        lambda **kw: dataclasses.replace(default(**kw), unroll_slots=False))
     packs = []
     real = sparse_gather.resident_rows
     monkeypatch.setattr(sparse_gather, "resident_rows", lambda kv: packs.append(kv.shape) or real(kv))
