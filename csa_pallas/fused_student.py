@@ -314,10 +314,10 @@ def loss(st: student_lib.Student, problem: Problem, *, reduction: str, scale, qu
     from csa_pallas import loss_vjp, ops
     # Every row weighed by one static number (sum, mean_all, mean with default ids): folded into the kernels' G.
     known = None if problem.sparse else ops.static_nonempty_rows(problem)
-    uniform = loss_vjp.uniform_row_weight(reduction, scale, problem.batch, problem.seq_len, known)
-    if uniform is not None:
-        weight, traced_scale = uniform
-        total, _ = kl_total(st, problem, query_chunk=query_chunk, student=student, row_weight=weight)
-        return total if traced_scale is None else total * traced_scale
+    weighted = loss_vjp.uniformly_weighted_loss(
+        reduction, scale, problem.batch, problem.seq_len, known,
+        lambda w: kl_total(st, problem, query_chunk=query_chunk, student=student, row_weight=w)[0])
+    if weighted is not None:
+        return weighted
     total, nonempty = kl_total(st, problem, query_chunk=query_chunk, student=student)
     return reference.reduce_total(total, nonempty, reduction, scale)

@@ -218,6 +218,18 @@ def uniform_row_weight(reduction: str, scale, batch: int, seq_len: int, nonempty
     return weight, scale
 
 
+def uniformly_weighted_loss(reduction: str, scale, batch: int, seq_len: int, nonempty_rows: Optional[int],
+                            weighted_sum):
+    """weighted_sum(w) (w * the rows' KL sum, w folded into the kernels' G) times the traced scale when every row
+    has one static weight w (`uniform_row_weight`); None otherwise (the caller reduces per-row KL instead)."""
+    uniform = uniform_row_weight(reduction, scale, batch, seq_len, nonempty_rows)
+    if uniform is None:
+        return None
+    weight, traced_scale = uniform
+    loss = weighted_sum(weight)
+    return loss if traced_scale is None else loss * traced_scale
+
+
 def loss_through_kernels(indexer_logits, problem: Problem, *, make_layout, make_target, make_kl_rows,
                          reduction: str, scale, make_weighted_loss=None, static_nonempty_rows=None):
     """The loss driver of both modes: layout -> teacher -> KL -> reduction (XLA).
@@ -234,10 +246,9 @@ def loss_through_kernels(indexer_logits, problem: Problem, *, make_layout, make_
     target = make_target(problem, layout)
     if make_weighted_loss is not None:
         known = static_nonempty_rows(layout) if static_nonempty_rows is not None else None
-        uniform = uniform_row_weight(reduction, scale, problem.batch, problem.seq_len, known)
-        if uniform is not None:
-            weight, traced_scale = uniform
-            loss = make_weighted_loss(indexer_logits, target, layout, weight)
-            return loss if traced_scale is None else loss * traced_scale
+        loss = uniformly_weighted_loss(reduction, scale, problem.batch, problem.seq_len, known,
+                                       lambda w: make_weighted_loss(indexer_logits, target, layout, w))
+        if loss is not None:
+            return loss
     rows, nonempty = make_kl_rows(indexer_logits, target, layout)
     return reference.reduce_rows(rows, nonempty, reduction, scale)

@@ -8,6 +8,8 @@ race- and out-of-bounds-checking interpreter (`student=` on the fused op: test_s
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,10 +79,12 @@ def test_drawn_shapes_match_the_xla_student(seed, seq, heads, dim, bf16, docs):
     _compare(c, sk.StudentKernelConfig(block_q=16, block_k=128))
 
 
-@pytest.mark.parametrize("block_q, block_k", [(16, 128), (32, 256), (128, 128)])
-def test_forced_tiles(block_q, block_k):
-    c = _case(1, batch=2, seq=96, blocks=300, heads=2, dim=32, num_docs=1)
-    _compare(c, sk.StudentKernelConfig(block_q=block_q, block_k=block_k))
+@pytest.mark.parametrize("block_q, block_k, trim", [(16, 128, True), (32, 256, True), (32, 256, False),
+                                                    (128, 128, True), (64, 512, True)])
+def test_forced_tiles(block_q, block_k, trim):
+    """seq 400 against 600 blocks (keys past the queries): the kv tiles' visible prefixes end inside them."""
+    c = _case(1, batch=2, seq=400, blocks=600, heads=2, dim=32, num_docs=1)
+    _compare(c, sk.StudentKernelConfig(block_q=block_q, block_k=block_k, trim_kv_tile=trim))
 
 
 def test_default_tiles_bf16_packed():
@@ -93,34 +97,50 @@ def test_config_fields_are_checked():
     with pytest.raises(ValueError, match="block_k: expected a positive multiple of 128, got 64"):
         sk.StudentKernelConfig(block_k=64)
     assert sk.default_config(seq_len=40, num_blocks=100) == sk.StudentKernelConfig(block_q=48, block_k=128)
-    assert sk.default_config(seq_len=4096, num_blocks=1024) == sk.StudentKernelConfig(block_q=128, block_k=256)
+    assert sk.default_config(seq_len=4096, num_blocks=1024) == sk.StudentKernelConfig(block_q=128, block_k=512)
+    assert sk.default_config(seq_len=64, num_blocks=300) == sk.StudentKernelConfig(block_q=64, block_k=384)
 
 
 def test_skip_table_covers_every_visible_pair_and_counts_the_causal_steps():
-    c = _case(3, batch=2, seq=200, num_docs=3)
-    cfg = sk.StudentKernelConfig(block_q=16, block_k=128)
-    s_p, n_p = 208, 128
-    table = np.asarray(sk.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)).reshape(2, 13, 1)
-    vis = np.asarray(c["visible"])
-    for b, t, s in zip(*np.nonzero(vis)):
-        assert table[b, t // 16, s // 128] == 1
-    # One document at S = 4096, N = 1024 with the default 128 x 256 tiles: kv tile j is needed by query tile i
-    # iff 1024 j + 3 <= 128 i + 127 - 80 of the 128 steps.
+    c = _case(3, batch=2, seq=1100, num_docs=3)
+    cfg = sk.StudentKernelConfig(block_q=16, block_k=256)
+    s_p, n_p = 1104, 512
+    table = np.asarray(sk.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)).reshape(2, s_p // 16, 2)
+    b, t, s = np.nonzero(np.asarray(c["visible"]))
+    # every visible pair lies in the computed prefix of its kv tile: parts of 128 blocks
+    assert np.all(table[b, t // 16, s // 256] >= (s % 256) // 128 + 1)
+    untrimmed = dataclasses.replace(cfg, trim_kv_tile=False)
+    whole = np.asarray(sk.skip_table(c["positions"], c["block_end"], s_p, n_p, untrimmed)).reshape(table.shape)
+    np.testing.assert_array_equal(whole, table > 0)
+    # One document at S = 4096, N = 1024 with 128 x 256 tiles: kv tile j is needed by query tile i iff
+    # 1024 j + 3 <= 128 i + 127 - 80 of the 128 steps; the 32 diagonal steps see 32 (i % 8 + 1) blocks of their
+    # tile, so 16 of them compute one part of 128 blocks: 144 parts instead of 160. The default 128 x 512 tiles
+    # compute the same 144 parts in 48 steps.
     pos = jnp.arange(4096, dtype=jnp.int32)[None]
     end = (jnp.arange(1024, dtype=jnp.int32) * 4 + 3)[None]
-    full = sk.skip_table(pos, end, 4096, 1024, sk.default_config(seq_len=4096, num_blocks=1024))
-    assert int(jnp.sum(full)) == 80 and full.size == 128
+    for cfg, steps, parts in [(sk.StudentKernelConfig(block_q=128, block_k=256), 80, 144),
+                              (sk.default_config(seq_len=4096, num_blocks=1024), 48, 144)]:
+        full = sk.skip_table(pos, end, 4096, 1024, cfg)
+        assert int(jnp.sum(full > 0)) == steps and int(jnp.sum(full)) == parts
+        skip = sk._Skip(4096 // cfg.block_q, 1024 // cfg.block_k, cfg.block_q, cfg.block_k, RATIO, cfg.parts)
+        assert skip.active_steps() == steps and skip.active_parts() == parts
+        whole = sk.skip_table(pos, end, 4096, 1024, dataclasses.replace(cfg, trim_kv_tile=False))
+        assert int(jnp.sum(whole)) == steps
 
 
-@pytest.mark.parametrize("seq, block_q, block_k", [(200, 16, 128), (520, 32, 128), (1024, 128, 256)])
-def test_causal_schedule_from_the_grid_equals_the_table(seq, block_q, block_k):
-    """Default ids: causal_ratio=m takes the skipped tiles from the grid (what the static estimator can follow);
-    same scores and gradients as the table, and both skip the same steps."""
+@pytest.mark.parametrize("seq, block_q, block_k, trim", [(200, 16, 128, True), (520, 32, 128, True),
+                                                          (1024, 128, 256, True), (1024, 128, 256, False),
+                                                          (2048, 64, 512, True)])
+def test_causal_schedule_from_the_grid_equals_the_table(seq, block_q, block_k, trim):
+    """Default ids: causal_ratio=m takes the skipped tiles and the trimmed prefixes from the grid (what the static
+    estimator can follow); same scores and gradients as the table (checked against the XLA student), and both
+    compute the same parts."""
     c = _case(7, seq=seq, heads=2, dim=16)
-    cfg = sk.StudentKernelConfig(block_q=block_q, block_k=block_k)
+    cfg = sk.StudentKernelConfig(block_q=block_q, block_k=block_k, trim_kv_tile=trim)
     table = lambda q, k, w: sk.scores(q, k, w, c["positions"], c["block_end"], cfg)
     grid = lambda q, k, w: sk.scores(q, k, w, c["positions"], c["block_end"], cfg, causal_ratio=RATIO)
     args = (c["q"], c["k"], c["w"])
+    _compare(c, cfg)
     np.testing.assert_array_equal(np.asarray(jax.jit(grid)(*args)) * c["visible"],
                                   np.asarray(jax.jit(table)(*args)) * c["visible"])
     for run in (table, grid):
@@ -132,8 +152,9 @@ def test_causal_schedule_from_the_grid_equals_the_table(seq, block_q, block_k):
                 np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     n = seq // RATIO
     s_p, n_p = -(-seq // block_q) * block_q, -(-n // block_k) * block_k
-    skip = sk._Skip(s_p // block_q, n_p // block_k, block_q, block_k, RATIO)
-    assert skip.active_steps() == int(np.sum(sk.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)))
+    skip = sk._Skip(s_p // block_q, n_p // block_k, block_q, block_k, RATIO, cfg.parts)
+    counts = sk.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)
+    assert skip.active_parts() == int(np.sum(counts)) and skip.active_steps() == int(np.sum(counts > 0))
 
 
 def test_race_and_out_of_bounds_checking_interpreter():

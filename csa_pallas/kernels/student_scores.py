@@ -17,7 +17,11 @@ gradients match float64 to ~1e-6. Any other dtype runs as f32 at HIGHEST precisi
 
 Tiles no query of the query tile can see (every block of the kv tile ends after the tile's last position) are
 skipped: their scores are written as 0 (outside V(t), never read) and contribute no gradient, which is exact
-because the loss's cotangent is 0 outside V(t). The skip table is scalar-prefetched: [B * nq * nk] int32.
+because the loss's cotangent is 0 outside V(t). With `trim_kv_tile` a computing tile is also trimmed to its
+visible prefix in 128-block parts (the causal diagonal's tiles: at S = 4096 with 128 x 256 tiles, 16 of the 80
+computing steps need only their first half): the products cover that prefix, the rest is written as 0. The
+schedule is scalar-prefetched as [B * nq * nk] int32 visible parts (0 = skip), or for default ids read off the
+grid.
 
 Layout: index_q enters as [B, S_p, H_I * d_p] (a free reshape; d_p = d_I rounded up to 128 lanes, zero-padded
 when d_I is not a multiple of 128, so each head's slice is lane-aligned).
@@ -42,16 +46,26 @@ TN = (((0,), (0,)), ((), ()))  # a^T . b
 NN = (((1,), (0,)), ((), ()))  # a . b
 # The skip table is scalar-prefetched whole; SMEM holds ~200K int32 (pallas-notes §2.3).
 MAX_TABLE_ENTRIES = 1 << 17
+# Blocks per part of a kv tile that trim_kv_tile distinguishes: one lane width of the scores tile.
+PART_BLOCKS = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class StudentKernelConfig:
     """Tiles of the student kernels. block_q: query rows per tile (multiple of 16); block_k: compressed blocks per
-    kv tile (multiple of 128); vmem_limit_bytes: Mosaic's scoped-VMEM limit for both kernels."""
+    kv tile (multiple of 128); trim_kv_tile: a computing tile's products cover only its visible prefix of
+    128-block parts (one kernel body per prefix length; False: every computing tile is computed whole);
+    vmem_limit_bytes: Mosaic's scoped-VMEM limit for both kernels."""
 
     block_q: int = 128
     block_k: int = 256
+    trim_kv_tile: bool = True
     vmem_limit_bytes: int = 48 * common.MiB
+
+    @property
+    def parts(self) -> int:
+        """Parts of a kv tile the schedule distinguishes (1: the tile is computed whole or skipped)."""
+        return self.block_k // PART_BLOCKS if self.trim_kv_tile else 1
 
     def __post_init__(self):
         if self.block_q < 16 or self.block_q % 16:
@@ -63,13 +77,21 @@ class StudentKernelConfig:
 
 
 def default_config(*, seq_len: int, num_blocks: int) -> StudentKernelConfig:
-    """Query tiles of 128 rows (at most the query rows rounded up to 16), kv tiles of 256 blocks (128 when
-    N <= 128). v5p estimates at S = 4096, N = 1024, H_I = 64, d_I = 128 (all grid steps): 256-block kv tiles keep
-    the gradient kernel MXU-bound (12.1 us per step against an MXU floor of 11.7); 128-block tiles skip more of
-    the causal triangle (56% of the steps instead of 62.5%) but cost 10 us per step, VPU-bound. The backward's
-    resident dq accumulator is [block_q, H_I * d_p] f32 (4 MiB at H_I = 64, d_I = 128)."""
+    """Query tiles of 128 rows (at most the query rows rounded up to 16), kv tiles of 512 blocks (at most N rounded
+    up to 128), trimmed to their visible prefix. v5p at S = 4096, N = 1024, H_I = 64, d_I = 128, bf16, default ids
+    (static estimates of the forward + backward kernels, us; v5p compile of both, s):
+
+        128 x 256 whole   102.1 + 508.0   4.6 s   (the backward MXU-bound: 12.1 us per step, MXU floor 11.7)
+        128 x 256 trimmed  95.9 + 483.3   7.2 s   (a trimmed step still pays its dq accumulator update whole)
+        256 x 256 trimmed  91.9 + 471.4  15.5 s
+        128 x 512 trimmed  89.6 + 456.8  23.2 s   <- default: -10.4%
+        256 x 512 trimmed  88.4 + 448.0  47.2 s   (-12.1%; twice the compile for 2 points more)
+
+    Trimmed, every shape computes the same 144 parts of 128 x 128 (the causal triangle at 128-block granularity);
+    larger tiles pay fewer per-step accumulator updates, and compile longer (one body per prefix length). The
+    backward's resident dq accumulator is [block_q, H_I * d_p] f32 (4 MiB at H_I = 64, d_I = 128)."""
     block_q = min(128, common.round_up(seq_len, 16))
-    block_k = 128 if num_blocks <= 128 else 256
+    block_k = min(512, common.round_up(num_blocks, PART_BLOCKS))
     return StudentKernelConfig(block_q=block_q, block_k=block_k)
 
 
@@ -92,14 +114,19 @@ def _tile(p, nq: int):
     return common.index_div(p, nq), common.zigzag(common.index_rem(p, nq), nq)
 
 
-def _needed(table_ref, skip: "_Skip"):
-    """Whether this grid step's (query tile, kv tile) holds a pair some query may see: from the table, or for
-    one document at positions 0..S-1 from the grid (the kv tile's first block ends by the tile's last query)."""
+def _visible_parts(table_ref, skip: "_Skip"):
+    """How many leading parts of this grid step's kv tile some query of the query tile may see (0: skip the step):
+    from the table, or for one document at positions 0..S-1 from the grid (a part is needed when its first block
+    ends by the tile's last query)."""
     (b, i), j = _tile(pl.program_id(0), skip.nq), pl.program_id(1)
     if skip.causal_ratio is None:
-        return table_ref[(b * skip.nq + i) * skip.nk + j] != 0
-    m = skip.causal_ratio
-    return j * (skip.block_k * m) + (m - 1) <= i * skip.block_q + (skip.block_q - 1)
+        return table_ref[(b * skip.nq + i) * skip.nk + j]
+    m, last = skip.causal_ratio, i * skip.block_q + (skip.block_q - 1)
+    count = jnp.int32(0)
+    for c in range(skip.parts):
+        first_end = j * (skip.block_k * m) + (c * skip.part * m + m - 1)
+        count = count + jnp.where(first_end <= last, 1, 0).astype(jnp.int32)
+    return count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,64 +136,83 @@ class _Skip:
     block_q: int
     block_k: int
     causal_ratio: Optional[int]  # m: default ids, the schedule from the grid; None: the scalar-prefetched table
+    parts: int = 1  # StudentKernelConfig.parts
+
+    @property
+    def part(self) -> int:
+        return self.block_k // self.parts
+
+    def causal_parts(self, i: int, j: int) -> int:
+        """Visible parts of kv tile j for query tile i with default ids (what `_visible_parts` reads off the grid)."""
+        m, last = self.causal_ratio, i * self.block_q + self.block_q - 1
+        return sum(1 for c in range(self.parts) if (j * self.block_k + c * self.part) * m + m - 1 <= last)
 
     def active_steps(self) -> int:
         """(query tile, kv tile) steps that compute, per batch row: counted for the causal schedule; every step for
         the table (data-dependent: an upper bound)."""
         if self.causal_ratio is None:
             return self.nq * self.nk
-        m, bq, bk = self.causal_ratio, self.block_q, self.block_k
-        return sum(1 for i in range(self.nq) for j in range(self.nk) if j * bk * m + m - 1 <= i * bq + bq - 1)
+        return sum(1 for i in range(self.nq) for j in range(self.nk) if self.causal_parts(i, j))
+
+    def active_parts(self) -> int:
+        """Parts computed per batch row (the MXU work, in parts of `part` blocks): as `active_steps`."""
+        if self.causal_ratio is None:
+            return self.nq * self.nk * self.parts
+        return sum(self.causal_parts(i, j) for i in range(self.nq) for j in range(self.nk))
+
+
+def _by_visible_parts(table_ref, skip: "_Skip", body):
+    """Runs body(cols) for this step's visible prefix: cols = visible parts x part blocks (0: a skipped step)."""
+    visible = _visible_parts(table_ref, skip)
+    for count in range(skip.parts + 1):
+        pl.when(visible == count)(functools.partial(body, count * skip.part))
 
 
 def _scores_kernel(table_ref, q_ref, w_ref, k_ref, out_ref, *, num_heads, head_dim, skip):
-    needed = _needed(table_ref, skip)
+    def body(cols):
+        if cols:
+            k = k_ref[:cols]
+            w = w_ref[...]
+            acc = jnp.zeros((out_ref.shape[0], cols), jnp.float32)
+            for h in range(num_heads):
+                dots = _dot(q_ref[:, h * head_dim:(h + 1) * head_dim], k, NT)  # [bq, cols]
+                acc = acc + w[:, h:h + 1] * jnp.maximum(dots, 0.0)
+            out_ref[:, :cols] = acc
+        if cols < skip.block_k:  # outside V(t) for every query of the tile: never read
+            out_ref[:, cols:] = jnp.zeros((out_ref.shape[0], skip.block_k - cols), out_ref.dtype)
 
-    @pl.when(needed)
-    def _():
-        k = k_ref[...]
-        w = w_ref[...]
-        acc = jnp.zeros(out_ref.shape, jnp.float32)
-        for h in range(num_heads):
-            dots = _dot(q_ref[:, h * head_dim:(h + 1) * head_dim], k, NT)  # [bq, bk]
-            acc = acc + w[:, h:h + 1] * jnp.maximum(dots, 0.0)
-        out_ref[...] = acc
-
-    @pl.when(jnp.logical_not(needed))
-    def _():
-        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+    _by_visible_parts(table_ref, skip, body)
 
 
 def _grads_kernel(table_ref, q_ref, w_ref, k_ref, g_ref, dq_ref, dw_ref, dk_ref, dq_acc, *, num_heads, head_dim,
                   skip):
     j, nk = pl.program_id(1), skip.nk
-    needed = _needed(table_ref, skip)
 
     @pl.when(j == 0)
     def _():
         dq_acc[...] = jnp.zeros(dq_acc.shape, dq_acc.dtype)
         dw_ref[...] = jnp.zeros(dw_ref.shape, dw_ref.dtype)
 
-    @pl.when(needed)
-    def _():
-        k = k_ref[...]
-        w = w_ref[...]
-        g = g_ref[...]
-        dk = jnp.zeros(dk_ref.shape, jnp.float32)
-        for h in range(num_heads):
-            lanes = slice(h * head_dim, (h + 1) * head_dim)
-            q_h = q_ref[:, lanes]
-            dots = _dot(q_h, k, NT)  # [bq, bk]
-            positive = dots > 0.0  # ReLU'(0) = 0 (SPEC §8)
-            dw_ref[:, h:h + 1] += jnp.sum(jnp.where(positive, g * dots, 0.0), axis=1, keepdims=True)
-            terms = _split(jnp.where(positive, g * w[:, h:h + 1], 0.0), k.dtype)
-            dq_acc[:, lanes] += sum(_dot(t, k, NN) for t in terms)
-            dk = dk + sum(_dot(t, q_h, TN) for t in terms)
-        dk_ref[...] = dk
+    def body(cols):
+        if cols:
+            k = k_ref[:cols]
+            w = w_ref[...]
+            g = g_ref[:, :cols]
+            dk = jnp.zeros((cols, dk_ref.shape[1]), jnp.float32)
+            for h in range(num_heads):
+                lanes = slice(h * head_dim, (h + 1) * head_dim)
+                q_h = q_ref[:, lanes]
+                dots = _dot(q_h, k, NT)  # [bq, cols]
+                positive = dots > 0.0  # ReLU'(0) = 0 (SPEC §8)
+                dw_ref[:, h:h + 1] += jnp.sum(jnp.where(positive, g * dots, 0.0), axis=1, keepdims=True)
+                terms = _split(jnp.where(positive, g * w[:, h:h + 1], 0.0), k.dtype)
+                dq_acc[:, lanes] += sum(_dot(t, k, NN) for t in terms)
+                dk = dk + sum(_dot(t, q_h, TN) for t in terms)
+            dk_ref[:cols] = dk
+        if cols < skip.block_k:  # the cotangent is 0 there: no gradient
+            dk_ref[cols:] = jnp.zeros((skip.block_k - cols, dk_ref.shape[1]), dk_ref.dtype)
 
-    @pl.when(jnp.logical_not(needed))
-    def _():
-        dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
+    _by_visible_parts(table_ref, skip, body)
 
     @pl.when(j == nk - 1)
     def _():
@@ -195,7 +241,7 @@ class _Static:
 
     @property
     def skip(self) -> _Skip:
-        return _Skip(self.nq, self.nk, self.cfg.block_q, self.cfg.block_k, self.causal_ratio)
+        return _Skip(self.nq, self.nk, self.cfg.block_q, self.cfg.block_k, self.causal_ratio, self.cfg.parts)
 
 
 def _specs(st: _Static):
@@ -209,9 +255,9 @@ def _specs(st: _Static):
 
 
 def _pairs_bytes(st: _Static, itemsize: int):
-    """(MXU flops of one product over the tile pairs that compute, HBM bytes of the inputs read by the grid)."""
+    """(MXU flops of one product over the tile parts that compute, HBM bytes of the inputs read by the grid)."""
     b, s, n, h, d = st.batch, st.padded_rows, st.padded_blocks, st.num_heads, st.head_dim
-    flops = 2 * b * st.skip.active_steps() * st.cfg.block_q * st.cfg.block_k * h * d
+    flops = 2 * b * st.skip.active_parts() * st.cfg.block_q * st.skip.part * h * d
     read = b * (s * h * d + s * h * 4 + st.nq * n * d) * itemsize
     return flops, read
 
@@ -290,17 +336,20 @@ def operand_dtype(q_dtype, k_dtype):
 
 
 def skip_table(positions, block_end, padded_rows: int, padded_blocks: int, cfg: StudentKernelConfig):
-    """int32 [B * nq * nk]: 1 where some query of the query tile may see some block of the kv tile (the tile's
-    earliest block end <= its latest position; segments are not consulted, so the table is a superset).
+    """int32 [B * nq * nk]: per (query tile, kv tile) the number of leading parts of the kv tile (cfg.parts of them)
+    up to the last one some query of the tile may see (a part's earliest block end <= the tile's latest position;
+    segments are not consulted, so the table is a superset); 0: the step is skipped.
     positions int32 [B, S]; block_end int32 [B, N] (masks.block_keys)."""
     b, s = positions.shape
     n = block_end.shape[1]
     low, high = jnp.iinfo(jnp.int32).min, jnp.iinfo(jnp.int32).max
     pos = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, padded_rows - s)), constant_values=low)
     end = jnp.pad(block_end.astype(jnp.int32), ((0, 0), (0, padded_blocks - n)), constant_values=high)
-    latest = jnp.max(pos.reshape(b, -1, cfg.block_q), axis=2)
-    earliest = jnp.min(end.reshape(b, -1, cfg.block_k), axis=2)
-    return (earliest[:, None, :] <= latest[:, :, None]).astype(jnp.int32).reshape(-1)
+    latest = jnp.max(pos.reshape(b, -1, cfg.block_q), axis=2)  # [B, nq]
+    earliest = jnp.min(end.reshape(b, -1, cfg.block_k // cfg.parts), axis=2)  # [B, nk * parts]
+    seen = (earliest[:, None, :] <= latest[:, :, None]).reshape(b, latest.shape[1], -1, cfg.parts)
+    ordinal = jnp.arange(1, cfg.parts + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(seen, ordinal, 0), axis=3).astype(jnp.int32).reshape(-1)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["padded", "operand"],
