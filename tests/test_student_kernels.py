@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 from csa_pallas import masks
-from csa_pallas.kernels import runtime
+from csa_pallas.kernels import runtime, student_schedule
 from csa_pallas.kernels import student_scores as sk
 from kernel_cases import packed_ids
 
@@ -64,9 +64,9 @@ def _compare(c, cfg=None):
     wants = jax.grad(lambda *a: jnp.sum(_xla_scores(*a) * c["g"]), argnums=(0, 1, 2))(c["q"], c["k"], c["w"])
     for name, a, b in zip(("index_q", "index_k", "index_weights"), grads, wants):
         assert a.dtype == b.dtype, name
+        # bf16 / f16 gradients: the f32 gradient rounded once on each side (one ulp apart at most)
+        tol = {jnp.float32: 1e-5, jnp.float16: 2.0 ** -10, jnp.bfloat16: 2.0 ** -7}[jnp.dtype(a.dtype).type]
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        # bf16 gradients: the f32 gradient rounded once on each side (one bf16 ulp apart at most)
-        tol = 1e-5 if c["q"].dtype == jnp.float32 else 2.0 ** -7
         assert np.max(np.abs(a - b)) <= tol * max(np.max(np.abs(b)), 1e-30), name
 
 
@@ -91,6 +91,20 @@ def test_default_tiles_bf16_packed():
     _compare(_case(2, batch=2, seq=160, heads=4, dim=128, dtype=jnp.bfloat16, num_docs=3))
 
 
+@pytest.mark.parametrize("q_dtype, k_dtype, heads", [
+    (jnp.bfloat16, jnp.bfloat16, 5), (jnp.bfloat16, jnp.float32, 3), (jnp.float32, jnp.bfloat16, 1),
+    (jnp.float16, jnp.float32, 2)])
+def test_query_row_order_for_each_dtype_and_head_count(q_dtype, k_dtype, heads):
+    """index_q enters in its own row order: bf16 heads are read in 32-bit pairs (an odd H_I gets a zero head),
+    every other dtype as f32 rows one head at a time; the operands are f32 unless both sides are bf16."""
+    c = _case(5, batch=2, seq=70, heads=heads, dim=24, num_docs=2)
+    c.update(q=c["q"].astype(q_dtype), k=c["k"].astype(k_dtype), w=c["w"].astype(q_dtype))
+    _compare(c, sk.StudentKernelConfig(block_q=32, block_k=128))
+    assert sk.row_queries(c["q"], sk.StudentKernelConfig(block_q=32)).shape == (
+        2 * 96 * sk.padded_heads(heads, jnp.bfloat16 if q_dtype == jnp.bfloat16 else jnp.float32), 128)
+    assert (sk.padded_heads(5, jnp.bfloat16), sk.padded_heads(5, jnp.float32)) == (6, 5)
+
+
 def test_config_fields_are_checked():
     with pytest.raises(ValueError, match="block_q: expected a positive multiple of 16, got 24"):
         sk.StudentKernelConfig(block_q=24)
@@ -105,12 +119,12 @@ def test_skip_table_covers_every_visible_pair_and_counts_the_causal_steps():
     c = _case(3, batch=2, seq=1100, num_docs=3)
     cfg = sk.StudentKernelConfig(block_q=16, block_k=256)
     s_p, n_p = 1104, 512
-    table = np.asarray(sk.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)).reshape(2, s_p // 16, 2)
+    table = np.asarray(student_schedule.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)).reshape(2, s_p // 16, 2)
     b, t, s = np.nonzero(np.asarray(c["visible"]))
     # every visible pair lies in the computed prefix of its kv tile: parts of 128 blocks
     assert np.all(table[b, t // 16, s // 256] >= (s % 256) // 128 + 1)
     untrimmed = dataclasses.replace(cfg, trim_kv_tile=False)
-    whole = np.asarray(sk.skip_table(c["positions"], c["block_end"], s_p, n_p, untrimmed)).reshape(table.shape)
+    whole = np.asarray(student_schedule.skip_table(c["positions"], c["block_end"], s_p, n_p, untrimmed)).reshape(table.shape)
     np.testing.assert_array_equal(whole, table > 0)
     # One document at S = 4096, N = 1024 with 128 x 256 tiles: kv tile j is needed by query tile i iff
     # 1024 j + 3 <= 128 i + 127 - 80 of the 128 steps; the 32 diagonal steps see 32 (i % 8 + 1) blocks of their
@@ -120,11 +134,11 @@ def test_skip_table_covers_every_visible_pair_and_counts_the_causal_steps():
     end = (jnp.arange(1024, dtype=jnp.int32) * 4 + 3)[None]
     for cfg, steps, parts in [(sk.StudentKernelConfig(block_q=128, block_k=256), 80, 144),
                               (sk.default_config(seq_len=4096, num_blocks=1024), 48, 144)]:
-        full = sk.skip_table(pos, end, 4096, 1024, cfg)
+        full = student_schedule.skip_table(pos, end, 4096, 1024, cfg)
         assert int(jnp.sum(full > 0)) == steps and int(jnp.sum(full)) == parts
-        skip = sk._Skip(4096 // cfg.block_q, 1024 // cfg.block_k, cfg.block_q, cfg.block_k, RATIO, cfg.parts)
+        skip = student_schedule.Skip(4096 // cfg.block_q, 1024 // cfg.block_k, cfg.block_q, cfg.block_k, RATIO, cfg.parts)
         assert skip.active_steps() == steps and skip.active_parts() == parts
-        whole = sk.skip_table(pos, end, 4096, 1024, dataclasses.replace(cfg, trim_kv_tile=False))
+        whole = student_schedule.skip_table(pos, end, 4096, 1024, dataclasses.replace(cfg, trim_kv_tile=False))
         assert int(jnp.sum(whole)) == steps
 
 
@@ -152,8 +166,8 @@ def test_causal_schedule_from_the_grid_equals_the_table(seq, block_q, block_k, t
                 np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     n = seq // RATIO
     s_p, n_p = -(-seq // block_q) * block_q, -(-n // block_k) * block_k
-    skip = sk._Skip(s_p // block_q, n_p // block_k, block_q, block_k, RATIO, cfg.parts)
-    counts = sk.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)
+    skip = student_schedule.Skip(s_p // block_q, n_p // block_k, block_q, block_k, RATIO, cfg.parts)
+    counts = student_schedule.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)
     assert skip.active_parts() == int(np.sum(counts)) and skip.active_steps() == int(np.sum(counts > 0))
 
 
