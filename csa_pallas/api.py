@@ -258,8 +258,9 @@ def indexer_scores(
       segment_ids, positions, kv_segment_ids, kv_positions, loss_mask, compress_ratio: V(t) as in
         `indexer_distill_loss`.
       index_head_chunk: indexer heads per step of the head-chunked computation (a divisor of H_I; default all).
-      implementation: None or "xla" (the head-chunked XLA student), or "pallas": the student kernels
-        (`kernels/student_scores.py`; dense mode, inputs on one device; sparse mode is a NotImplementedError).
+      implementation: None or "xla" (the head-chunked XLA student), or "pallas": the student kernels (inputs on
+        one device; dense mode `kernels/student_scores.py`, sparse mode the gather kernels,
+        `kernels/student_gather.py`).
 
     Returns:
       f32 [B, S, N] (dense) or [B, S, K] (sparse); differentiable wrt the three indexer tensors.
@@ -268,14 +269,21 @@ def indexer_scores(
     st = student_lib.validate_student(index_q, index_k, index_weights, index_head_chunk=index_head_chunk)
     problem = _student_problem(st.index_q, st.index_k, **teacher)
     if teacher["implementation"] == "pallas":
-        if problem.sparse:
-            raise NotImplementedError("implementation='pallas': the student kernels score every block (dense "
-                                      "mode); with topk_indices use None or 'xla' (the XLA student's gather)")
-        from csa_pallas.kernels import student_scores
+        from csa_pallas.kernels import student_gather, student_scores
         placement.check_kernels_can_run_here(problem)
         if placement.resolve(st.index_q) is not None:
             raise ValueError("implementation='pallas': the student kernels run on one device's inputs; on inputs "
                              "living on a mesh use None or 'xla' (XLA partitions the XLA student)")
+        if problem.sparse:
+            from csa_pallas import fused_student
+            cfg = fused_student.gather_config(problem, st.index_q.shape)
+            if cfg is None:
+                raise ValueError(f"implementation='pallas': the sparse student kernels keep index_k resident in "
+                                 f"VMEM, which N={problem.num_blocks} does not fit; use None or 'xla'")
+            scores = student_gather.scores(st.index_q, student_gather.resident_keys(st.index_k), st.index_weights,
+                                           problem.topk_indices,
+                                           student_scores.operand_dtype(st.index_q.dtype, st.index_k.dtype), cfg)
+            return jnp.where(reference.support(problem), scores, -jnp.inf)
         _, block_end = reference.block_keys(problem)
         scores = student_scores.scores(st.index_q, st.index_k, st.index_weights, problem.positions, block_end,
                                        causal_ratio=problem.compress_ratio if problem.default_ids else None)

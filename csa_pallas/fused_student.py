@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from csa_pallas import plans, reference, student as student_lib, validation
-from csa_pallas.kernels import student_scores
+from csa_pallas.kernels import student_gather, student_scores
 from csa_pallas.validation import Problem
 
 TARGET_CHUNK_BYTES = 64 << 20  # the scores of one chunk, their gradient and the student terms, per batch row
@@ -53,17 +53,19 @@ def default_index_head_chunk(num_index_heads: int, sparse: bool = False) -> int:
 
 
 def default_query_chunk(problem: Problem, index_head_chunk: int, index_dim: int = 0,
-                        student_kernels: bool = False) -> int:
+                        student_kernels: bool = False, index_heads: int = 0) -> int:
     """The largest divisor of S (a multiple of 8, or S itself) whose chunk keeps one batch row's f32 [chunk, W]
     arrays within TARGET_CHUNK_BYTES, counted from v5p compiles: with the XLA student ~2 index_head_chunk + 10 of
     them (its ReLU terms and dot products with their gradients, the scores and theirs, the kernel's operands);
     with the student kernels (their terms stay in VMEM; the gradient in the forward pass) ~5 (S = 32K temp: 34,
     54, 91, 164 MiB at 128, 256, 512, 1024 rows). Sparse mode adds the XLA student's gathered keys,
-    [chunk, K, d_I] f32 and their cotangent plus a bf16 copy (index_dim = d_I)."""
+    [chunk, K, d_I] f32 and their cotangent plus a bf16 copy (index_dim = d_I); with the sparse student kernels
+    ~9 bytes per index_q element instead (its padded copy and dq; S = 32K, K = 512, H_I = 64, d_I = 128: temp
+    28.7 / 92.3 / 431 MiB at 256 / 1024 / 4096 rows, static estimate 74.2 / 72.5 / 75.1 ms)."""
     s, n = problem.seq_len, max(problem.width, 1)
     per_row = 4 * n * (5 if student_kernels else 2 * index_head_chunk + 10)
     if problem.sparse:
-        per_row += 10 * n * index_dim
+        per_row += 9 * index_heads * index_dim if student_kernels else 10 * n * index_dim
     # At least MIN_QUERY_CHUNK rows: below, the kernels' query tiles run part-empty and the fixed per-chunk memory
     # grows (v5p compiles at S = 128K: 16-row chunks took ~40% more temp than 64-row ones).
     limit = max(TARGET_CHUNK_BYTES // per_row, MIN_QUERY_CHUNK)
@@ -105,18 +107,36 @@ def _poisoned(chunk: Problem, bad_block) -> Problem:
 STUDENTS = ("auto", "pallas", "xla")
 
 
-def resolve_student(student, problem: Problem):
-    """student ("auto", "pallas", "xla" or a `StudentKernelConfig`) -> (use the kernels, the forced config or
-    None). "auto": the kernels in dense mode (the sparse student gathers index_k rows in XLA)."""
-    forced = student if isinstance(student, student_scores.StudentKernelConfig) else None
+CONFIGS = (student_scores.StudentKernelConfig, student_gather.StudentGatherConfig)
+
+
+def resolve_student(student, problem: Problem, index_q_shape=None):
+    """student ("auto", "pallas", "xla", a `StudentKernelConfig` for dense mode or a `StudentGatherConfig` for
+    sparse mode) -> (use the kernels, the forced config or None). "auto": the kernels (dense: the tiled student
+    kernels; sparse: the gather kernels, `kernels/student_gather.py`, while index_k fits resident in VMEM).
+    index_q_shape: [B, S, H_I, d_I] (the VMEM need; default H_I = 64, d_I = 128)."""
+    forced = student if isinstance(student, CONFIGS) else None
     if forced is None:
         validation.check_choice("student", student, STUDENTS)
-        if student == "xla" or (student == "auto" and problem.sparse):
+        if student == "xla":
             return False, None
-    if problem.sparse:
-        raise ValueError("student: the student kernels cover dense mode; sparse mode (topk_indices) takes "
-                         "student='auto' or 'xla'")
+    want = student_gather.StudentGatherConfig if problem.sparse else student_scores.StudentKernelConfig
+    if forced is not None and not isinstance(forced, want):
+        raise ValueError(f"student: {'sparse' if problem.sparse else 'dense'} mode's kernels take a "
+                         f"{want.__name__}, got {type(forced).__name__}")
+    if problem.sparse and forced is None and gather_config(problem, index_q_shape) is None:
+        if student == "auto":
+            return False, None
+        raise ValueError(f"student: the sparse student kernels keep index_k resident in VMEM, which N="
+                         f"{problem.num_blocks} does not fit; take student='auto' or 'xla'")
     return True, forced
+
+
+def gather_config(problem: Problem, index_q_shape=None):
+    """The sparse student kernels' default config, or None when they do not fit (`student_gather`)."""
+    heads, dim = (64, 128) if index_q_shape is None else index_q_shape[2:]
+    return student_gather.default_config(num_blocks=problem.num_blocks, heads=heads, head_dim=dim,
+                                         width=-(-problem.width // 128) * 128)
 
 
 # The Problem fields that hold arrays: they travel into the custom_vjp as arguments (a static template keeps the
@@ -133,7 +153,7 @@ class _Chunks:
     template: Problem  # every _ARRAY_FIELDS entry None
     num_chunks: int
     chunk: int
-    kernel_config: Optional[student_scores.StudentKernelConfig]  # None: the XLA student
+    kernel_config: object  # StudentKernelConfig (dense), StudentGatherConfig (sparse), None: the XLA student
     index_head_chunk: int
     # Every row's static weight in the loss (`loss_vjp.uniform_row_weight`): the KL sum is returned times it and
     # the fused KL kernel writes G times it, so the gradients come out final (a constant-1 cotangent is free).
@@ -163,9 +183,13 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     kernels = ctx.kernel_config is not None
     # The student kernels' keys, padded and cast once for every chunk (`student_scores.Keys`): f32 (an exact
     # upcast) so their cotangent sums over chunks in f32; the MXU takes bf16 when both indexer inputs are bf16.
-    prepared = None if not kernels else student_scores.prepare_keys(
-        index_k, ctx.kernel_config, student_scores.operand_dtype(index_q.dtype, index_k.dtype))
-    keys = index_k if not kernels else prepared.padded  # what each chunk differentiates
+    operands = student_scores.operand_dtype(index_q.dtype, index_k.dtype)
+    gathers = isinstance(ctx.kernel_config, student_gather.StudentGatherConfig)
+    if gathers:  # sparse: index_k resident in VMEM, f32 (its cotangent sums over chunks in f32)
+        keys = student_gather.resident_keys(index_k)
+    else:
+        prepared = None if not kernels else student_scores.prepare_keys(index_k, ctx.kernel_config, operands)
+        keys = index_k if not kernels else prepared.padded  # what each chunk differentiates
     # One chunk of default ids: the student kernels' skipped tiles come from the grid, like the teacher's schedule.
     causal_ratio = problem.compress_ratio if num_chunks == 1 and problem.default_ids else None
 
@@ -182,6 +206,8 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     def student_fn(part, shard, q_rows, k, w_rows):
         if not kernels:
             return student_lib.scores(student_lib.Student(q_rows, k, w_rows, ctx.index_head_chunk), shard)
+        if gathers:
+            return student_gather.scores(q_rows, k, w_rows, part["topk_indices"], operands, ctx.kernel_config)
         k = dataclasses.replace(prepared, padded=k, operand=lax.stop_gradient(prepared.operand))
         return student_scores.scores(q_rows, k, w_rows, part["positions"], block_end, ctx.kernel_config,
                                      causal_ratio=causal_ratio)
@@ -255,14 +281,18 @@ _kl_sum.defvjp(_kl_sum_fwd, _kl_sum_bwd)
 def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student, row_weight: float = 1.0):
     """(the static `_Chunks`, the teacher's arrays) of one chunked loss; u computed here for a joint target."""
     from csa_pallas import ops, ops_sparse
-    use_kernels, forced = resolve_student(student, problem)
+    use_kernels, forced = resolve_student(student, problem, st.index_q.shape)
     if query_chunk is None:
-        chunk = default_query_chunk(problem, st.head_chunk, st.index_q.shape[3], student_kernels=use_kernels)
+        chunk = default_query_chunk(problem, st.head_chunk, st.index_q.shape[3], student_kernels=use_kernels,
+                                    index_heads=st.index_q.shape[2])
     else:
         chunk = _check_query_chunk(query_chunk, problem.seq_len)
     kernel_config = None
     if use_kernels:
-        kernel_config = forced or student_scores.default_config(seq_len=chunk, num_blocks=problem.num_blocks)
+        if problem.sparse:
+            kernel_config = forced or gather_config(problem, st.index_q.shape)
+        else:
+            kernel_config = forced or student_scores.default_config(seq_len=chunk, num_blocks=problem.num_blocks)
     if problem.target == "joint" and problem.full_lse is None and problem.noncompressed_lse is None:
         problem = dataclasses.replace(problem, noncompressed_lse=lax.stop_gradient(ops.noncompressed_lse(problem)))
     # The teacher's key operands once for every chunk (not a cast and NaN fill per chunk), without a NaN-filled

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from csa_pallas import api, fused_student, placement, reference, sharding, student as student_lib
 from csa_pallas import teacher_args, validation
-from csa_pallas.kernels import student_scores
+from csa_pallas.kernels import student_gather, student_scores
 
 
 def _owned_rows_scores(st: student_lib.Student, rows_problem, start, student):
@@ -33,9 +33,14 @@ def _owned_rows_scores(st: student_lib.Student, rows_problem, start, student):
     rows = rows_problem.seq_len
     take = lambda x: lax.dynamic_slice_in_dim(x, start, rows, axis=1)
     owned = student_lib.Student(take(st.index_q), st.index_k, take(st.index_weights), st.head_chunk)
-    use_kernels, forced = fused_student.resolve_student(student, rows_problem)
+    use_kernels, forced = fused_student.resolve_student(student, rows_problem, st.index_q.shape)
     if not use_kernels:
         return student_lib.scores(owned, rows_problem)
+    if rows_problem.sparse:
+        return student_gather.scores(owned.index_q, student_gather.resident_keys(owned.index_k),
+                                     owned.index_weights, rows_problem.topk_indices,
+                                     student_scores.operand_dtype(st.index_q.dtype, st.index_k.dtype),
+                                     forced or fused_student.gather_config(rows_problem, st.index_q.shape))
     _, block_end = reference.block_keys(rows_problem)
     return student_scores.scores(owned.index_q, owned.index_k, owned.index_weights, rows_problem.positions,
                                  block_end, forced)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import csa_pallas
 import oracle
 from csa_pallas.kernels import student_scores as sk
+from csa_pallas.kernels.student_gather import StudentGatherConfig
 from kernel_cases import packed_ids
 
 TOL = 1e-6
@@ -128,6 +129,9 @@ def test_query_chunk_must_divide_s_and_default_chunks_fit():
     sparse = dataclasses.replace(small, topk_indices=jax.ShapeDtypeStruct((1, 32768, 512), jnp.int32))
     # the XLA student's gathered keys [chunk, K, d_I]: 94 rows of 64 MiB at K = 512, d_I = 128
     assert fused_student.default_query_chunk(sparse, index_head_chunk=8, index_dim=128) == 64
+    # the sparse student kernels: ~9 bytes per index_q element and 5 [chunk, K] f32 arrays a row, 799 rows fit
+    assert fused_student.default_query_chunk(sparse, index_head_chunk=8, index_dim=128, student_kernels=True,
+                                             index_heads=64) == 512
     assert fused_student.default_index_head_chunk(64) == 8 and fused_student.default_index_head_chunk(6) == 6
     assert fused_student.default_index_head_chunk(64, sparse=True) == 32
 
@@ -198,9 +202,14 @@ def test_indexer_scores_masks_outside_the_visible_set():
     assert np.array_equal(np.isneginf(kernels), np.isneginf(dense))
     np.testing.assert_allclose(np.where(np.isneginf(dense), 0, kernels), np.where(np.isneginf(dense), 0, dense),
                                rtol=1e-6, atol=1e-6)
-    with pytest.raises(NotImplementedError, match="implementation='pallas': the student kernels score every"):
-        csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], implementation="pallas",
-                                  topk_indices=kw["topk_indices"], **ids)
+    # sparse mode through the gather kernels: the same scores on the visible slots, -inf elsewhere
+    gathered = csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], implementation="pallas",
+                                         topk_indices=kw["topk_indices"], **ids)
+    xla = csa_pallas.indexer_scores(c["index_q"], c["index_k"], c["index_weights"], topk_indices=kw["topk_indices"],
+                                    **ids)
+    assert np.array_equal(np.isneginf(gathered), np.isneginf(xla))
+    np.testing.assert_allclose(np.where(np.isneginf(xla), 0, gathered), np.where(np.isneginf(xla), 0, xla),
+                               rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -309,11 +318,19 @@ def test_fused_op_student_choices():
            query_chunk=32)
     _check(c, kw, "per_head", implementation="pallas", student="xla")
     _check(c, kw, "per_head", implementation="pallas", student="pallas", reduction="sum")
+    # sparse mode: the gather kernels ("auto" and forced with a config) and the XLA student
+    c, kw = make_student_case(5, seq=64, num_docs=2, loss_mask=True, topk=6)
+    _check(c, kw, "joint", implementation="pallas", student=StudentGatherConfig(block_q=16), query_chunk=32)
+    _check(c, kw, "per_head", implementation="pallas", student="xla")
+    _check(c, kw, "per_head", implementation="pallas", student="pallas", reduction="sum")
 
 
 @pytest.mark.parametrize("change, match", [
     (dict(student="gpu"), "student: expected one of"),
-    (dict(student="pallas", topk_indices=True), "student: the student kernels cover dense mode"),
+    (dict(student=sk.StudentKernelConfig(), topk_indices=True),
+     "student: sparse mode's kernels take a StudentGatherConfig, got StudentKernelConfig"),
+    (dict(student=StudentGatherConfig()), "student: dense mode's kernels take a StudentKernelConfig, got "
+                                          "StudentGatherConfig"),
     (dict(student="pallas", implementation="xla"), "student: the student kernels run on the Pallas path"),
     (dict(student=sk.StudentKernelConfig(), implementation="xla"), "student: the student kernels run"),
 ])

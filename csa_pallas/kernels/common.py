@@ -315,3 +315,23 @@ def nan_filled_rows(x):
     wide = x.astype(jnp.float32)
     bad = jnp.max(jnp.where(wide * 0.0 == 0.0, 0.0, 1.0), axis=-1, keepdims=True)
     return jnp.where(bad > 0.0, jnp.nan, wide).astype(x.dtype)
+
+
+# dot_general dimension numbers of the student kernels' products
+NT = (((1,), (1,)), ((), ()))  # a . b^T
+TN = (((0,), (0,)), ((), ()))  # a^T . b
+NN = (((1,), (0,)), ((), ()))  # a . b
+
+
+def exact_dot(a, b, dims):
+    """An MXU product accumulated in f32: bf16 operands in one pass (exact products), f32 ones at HIGHEST."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def hi_lo_terms(x, dtype):
+    """f32 x -> the terms fed to the MXU: (x,) for f32 operands, (hi, lo) bf16 with hi + lo = x to ~2^-17."""
+    if dtype == jnp.float32:
+        return (x,)
+    hi = x.astype(dtype)
+    return hi, (x - hi.astype(jnp.float32)).astype(dtype)

@@ -8,7 +8,7 @@ replaced cost two, 48.5 us each at S = 4096, H_I = 64, d_I = 128). A query tile 
 group of heads is a sublane-strided load of 32-bit rows (`_head_group`): f32 one head per row, bf16 two heads
 (2i, 2i + 1) per 32-bit word, reinterpreted in registers as [2 bq, d_p] bf16 rows (query t, head 2i + e) at row
 2t + e, which the MXU takes as one product of 2 bq rows (no unpacking). Everything per query row follows that
-interleaving: the weights and their gradient cross in XLA as [B, pack * S_p, H_p / pack] (`_interleave`), the
+interleaving: the weights cross in XLA as [B, pack * S_p, H_p / pack] (`_interleave`, transposed by autodiff), the
 forward's two partial sums per query are added once per step (two stride-2 loads), the backward doubles the
 cotangent rows once per step.
 
@@ -45,30 +45,13 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from csa_pallas.kernels import common, runtime
+from csa_pallas.kernels.common import NN, NT, TN
 from csa_pallas.kernels.student_config import PART_BLOCKS, StudentKernelConfig, default_config  # noqa: F401
 from csa_pallas.kernels.student_schedule import MAX_TABLE_ENTRIES, Skip, by_visible_parts, query_tile, skip_table
-
-NT = (((1,), (1,)), ((), ()))  # a . b^T
-TN = (((0,), (0,)), ((), ()))  # a^T . b
-NN = (((1,), (0,)), ((), ()))  # a . b
-
-
-def _dot(a, b, dims):
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-
-def _split(x, dtype):
-    """f32 x -> the terms fed to the MXU: (x,) for f32 operands, (hi, lo) bf16 with hi + lo = x to ~2^-17."""
-    if dtype == jnp.float32:
-        return (x,)
-    hi = x.astype(dtype)
-    return hi, (x - hi.astype(jnp.float32)).astype(dtype)
 
 
 def _head_group(q_ref, i: int, pack: int, groups: int, rows: int, operand):
@@ -92,7 +75,8 @@ def _scores_kernel(table_ref, q_ref, w_ref, k_ref, out_ref, *scratch, groups, pa
             w = w_ref[...]  # [pack * rows, groups], interleaved as the products' rows
             acc = jnp.zeros((pack * rows, cols), jnp.float32)
             for i in range(groups):
-                dots = _dot(_head_group(q_ref, i, pack, groups, rows, k.dtype), k, NT)  # [pack * rows, cols]
+                q_i = _head_group(q_ref, i, pack, groups, rows, k.dtype)
+                dots = common.exact_dot(q_i, k, NT)  # [pack * rows, cols]
                 acc = acc + w[:, i:i + 1] * jnp.maximum(dots, 0.0)
             if pack == 1:
                 out_ref[:, :cols] = acc
@@ -132,12 +116,12 @@ def _grads_kernel(table_ref, q_ref, w_ref, k_ref, g_ref, dq_ref, dw_ref, dk_ref,
             dk = jnp.zeros((cols, dk_ref.shape[1]), jnp.float32)
             for i in range(groups):
                 q_i = _head_group(q_ref, i, pack, groups, rows, k.dtype)
-                dots = _dot(q_i, k, NT)  # [pack * rows, cols]
+                dots = common.exact_dot(q_i, k, NT)  # [pack * rows, cols]
                 positive = dots > 0.0  # ReLU'(0) = 0 (SPEC §8)
                 dw_ref[:, i:i + 1] += jnp.sum(jnp.where(positive, g * dots, 0.0), axis=1, keepdims=True)
-                terms = _split(jnp.where(positive, g * w[:, i:i + 1], 0.0), k.dtype)
-                dq_acc[i] += sum(_dot(t, k, NN) for t in terms)
-                dk = dk + sum(_dot(t, q_i, TN) for t in terms)
+                terms = common.hi_lo_terms(jnp.where(positive, g * w[:, i:i + 1], 0.0), k.dtype)
+                dq_acc[i] += sum(common.exact_dot(t, k, NN) for t in terms)
+                dk = dk + sum(common.exact_dot(t, q_i, TN) for t in terms)
             dk_ref[:cols] = dk
         if cols < skip.block_k:  # the cotangent is 0 there: no gradient
             dk_ref[cols:] = jnp.zeros((skip.block_k - cols, dk_ref.shape[1]), dk_ref.dtype)
@@ -218,14 +202,9 @@ def _pairs_bytes(st: _Static):
 
 def _interleave(w, st: _Static):
     """f32 [B, S_p, H_p] -> [B, pack * S_p, groups]: row pack * t + e, column i = head pack * i + e of query t
-    (the rows of the kernels' products)."""
+    (the rows of the kernels' products). Done once, before the custom_vjp: autodiff transposes it for dw."""
     b, s, _ = w.shape
     return jnp.swapaxes(w.reshape(b, s, st.groups, st.pack), 2, 3).reshape(b, st.pack * s, st.groups)
-
-
-def _deinterleave(w, st: _Static):
-    b, s = w.shape[0], w.shape[1] // st.pack
-    return jnp.swapaxes(w.reshape(b, s, st.pack, st.groups), 2, 3).reshape(b, s, st.num_heads)
 
 
 def _row_pair_buffers(st: _Static):
@@ -253,11 +232,11 @@ def _forward(st: _Static, table, q, w, k):
                                       bytes_accessed=read + 4 * st.batch * st.padded_rows * st.padded_blocks),
         interpret=st.interpret,
         name=f"csa_student_scores_bq{bq}_bk{bk}",
-    )(table, q, _interleave(w, st), k)
+    )(table, q, w, k)
 
 
 def _backward(st: _Static, table, q, w, k, g):
-    """(dq in q's row order and dtype, dw f32 [B, S_p, H_p], dk per query tile f32 [B, nq, N_p, d_p])."""
+    """(dq in q's row order and dtype, dw f32 interleaved as w, dk per query tile f32 [B, nq, N_p, d_p])."""
     qs, ws, ks, tile = _specs(st)
     bq, bk, h, d = st.cfg.block_q, st.cfg.block_k, st.num_heads, st.head_dim
     kernel = functools.partial(_grads_kernel, groups=st.groups, pack=st.pack, skip=st.skip)
@@ -283,15 +262,15 @@ def _backward(st: _Static, table, q, w, k, g):
                                       bytes_accessed=read + 4 * b * s * n + written),
         interpret=st.interpret,
         name=f"csa_student_grads_bq{bq}_bk{bk}",
-    )(table, q, _interleave(w, st), k, g)
-    return dq, _deinterleave(dw, st), dk
+    )(table, q, w, k, g)
+    return dq, dw, dk
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _scores(st: _Static, table, q, w, k, k_operand):
-    """q: `row_queries`; w: f32 [B, S_p, H_p]; k: f32 [B, N_p, d_p], the differentiable keys (only their cotangent
-    is used here); k_operand: the same values in the operand dtype (`Keys`: cast once by the caller, outside any
-    scan over query chunks)."""
+    """q: `row_queries`; w: f32 [B, pack * S_p, H_p / pack] (`_interleave`); k: f32 [B, N_p, d_p], the
+    differentiable keys (only their cotangent is used here); k_operand: the same values in the operand dtype
+    (`Keys`: cast once by the caller, outside any scan over query chunks)."""
     del k
     return _forward(st, table, q, w, k_operand)
 
@@ -361,7 +340,8 @@ def scores(index_q, index_k, index_weights, positions, block_end, cfg: StudentKe
     """I, f32 [B, S, N], every entry a query may see computed (others 0 or the exact score); differentiable wrt
     the three indexer tensors (exact zeros where the cotangent of I is 0).
 
-    index_q float [B, S, H_I, d_I]; index_k float [B, N, d_I], or `Keys` prepared with this cfg (then its padded f32 keys get the cotangent); index_weights float [B, S, H_I]; positions int [B, S] (the queries' positions);
+    index_q float [B, S, H_I, d_I]; index_k float [B, N, d_I], or `Keys` prepared with this cfg (then its padded
+    f32 keys get the cotangent); index_weights float [B, S, H_I]; positions int [B, S] (the queries' positions);
     block_end int32 [B, N] (`masks.block_keys`: a block's last position, or INVALID_BLOCK_END). causal_ratio: m
     when the ids are the default (one document, positions 0..S-1, block s ending at s m + m - 1): the tiles to
     skip then come from the grid (no table; the static estimator sees the trip counts)."""
@@ -385,4 +365,4 @@ def scores(index_q, index_k, index_weights, positions, block_end, cfg: StudentKe
     st = _Static(cfg, b, s_p, n_p, h_p, d_p, q.dtype, keys.operand.dtype, runtime.interpret_mode(), causal_ratio)
     w = jnp.pad(index_weights.astype(jnp.float32), ((0, 0), (0, s_p - s), (0, h_p - h)))
     table = skip_table(positions, block_end, s_p, n_p, cfg)
-    return _scores(st, table, q, w, keys.padded, keys.operand)[:, :s, :n]
+    return _scores(st, table, q, _interleave(w, st), keys.padded, keys.operand)[:, :s, :n]

@@ -1,0 +1,251 @@
+"""The lightning indexer's scores over a top-k selection, and their three gradients, as Pallas kernels (SPEC §8,
+sparse mode): every query gathers its K selected index_k rows, as the sparse teacher's gather path does.
+
+    I[t, k] = sum_j w[t, j] * ReLU(q[t, j] . index_k[topk[t, k]])     q [S, H_I, d_I], w [S, H_I]
+
+* index_k of the batch element stays resident in VMEM for the whole query walk (`pl.Buffered(1)`, fetched once):
+  f32 rows of d_p = d_I rounded up to 128 lanes (an exact upcast: f32 single-row loads compile on v5p, bf16 ones
+  do not), R rows, R a power of two >= N, so a slot's row is index & (R - 1): an empty or out-of-range slot reads
+  some row, and its score is never used (the loss masks it and hands it a zero cotangent).
+* Forward (`_scores_kernel`, grid: query tiles of block_q rows): per query, its K_p slot indices (an SMEM block)
+  drive K_p dynamic single-row loads into a staging buffer, then one [H_I, d_p] x [d_p, K_p] product (the heads
+  are the MXU's rows; bf16 operands when index_q and index_k both are), the ReLU and the weighted head sum: one
+  row of I in slot order (a duplicated index is simply a second slot).
+* Backward (`_grads_kernel`): per query the rows are gathered again, the products recomputed, and with
+  G = g * w_j * [q_j . k > 0] (bf16 hi + lo passes, as the dense kernels):
+      dq[t] = G k_rows,   dw[t, j] = sum_k g * ReLU(q_j . k),   dk[topk[t, k]] += (G^T q[t])[k];
+  dk is accumulated in VMEM, one read-modify-write per slot in slot order (duplicates add up), per TensorCore:
+  grid (2 cores, batch, query tiles / 2), the two partial [R, d_p] sums added in XLA.
+
+Static v5p estimates (S = 4096, K = 512, H_I = 64, d_I = 128, bf16, forward + backward): ~2.7 cycles per gathered
+row in the forward, ~9 in the backward (gather ~2.2, the read-modify-write ~4.2, the products' weight loads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_pallas.kernels import common, runtime, sparse_gather
+from csa_pallas.kernels.common import NN, NT, TN
+
+CORES = 2  # the backward's dk partial sums: one per TensorCore (v5p megacore)
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentGatherConfig:
+    """block_q: queries per grid step (a multiple of 8; one query's slots are gathered and scored at a time);
+    vmem_limit_bytes: Mosaic's scoped-VMEM limit for both kernels."""
+
+    block_q: int = 8
+    vmem_limit_bytes: int = 48 * common.MiB
+
+    def __post_init__(self):
+        if self.block_q < 8 or self.block_q % 8:
+            raise ValueError(f"block_q: expected a positive multiple of 8, got {self.block_q}")
+        if self.vmem_limit_bytes < common.MiB:
+            raise ValueError(f"vmem_limit_bytes: expected at least 1 MiB, got {self.vmem_limit_bytes}")
+
+
+def vmem_bytes(cfg: StudentGatherConfig, *, num_blocks: int, heads: int, head_dim: int, width: int) -> int:
+    """VMEM of the backward (the larger kernel): resident keys, dk's accumulator (double-buffered output), the
+    staging rows, the per-step blocks and one query's [H_I, K_p] / [K_p, d_p] temporaries."""
+    rows, d_p, k_p = sparse_gather.resident_row_count(num_blocks), common.round_up(head_dim, 128), width
+    resident = rows * d_p * 4 * 3
+    blocks = 2 * cfg.block_q * (2 * heads * d_p * 4 + 2 * heads * 4 + 2 * k_p * 4)
+    return resident + blocks + 2 * k_p * d_p * 4 + 8 * heads * k_p * 4 + 4 * k_p * d_p * 4
+
+
+def default_config(*, num_blocks: int, heads: int, head_dim: int, width: int,
+                   vmem_capacity: int = 64 * common.MiB):
+    """8 queries per step; None when the resident keys and dk's accumulator do not fit in VMEM."""
+    cfg = StudentGatherConfig()
+    need = vmem_bytes(cfg, num_blocks=num_blocks, heads=heads, head_dim=head_dim, width=width)
+    if need > int(0.9 * vmem_capacity):
+        return None
+    return dataclasses.replace(cfg, vmem_limit_bytes=min(vmem_capacity - 4 * common.MiB,
+                                                          max(32 * common.MiB, int(need * 1.2))))
+
+
+def _gathered_rows(idx_ref, t, keys_ref, stage_ref, operand):
+    """Query t's K_p selected rows, [K_p, d_p] in the operand dtype: unrolled single-row loads (static staging
+    rows; the address is the slot's index & (R - 1))."""
+    rows, width = keys_ref.shape[0], idx_ref.shape[1]
+    for k in range(width):
+        row = idx_ref[t, k] & (rows - 1)
+        stage_ref[k // 8, pl.ds(k % 8, 1), :] = keys_ref[pl.ds(row, 1), :]
+    return stage_ref[...].reshape(width, keys_ref.shape[1]).astype(operand)
+
+
+def _scores_kernel(idx_ref, q_ref, w_ref, keys_ref, out_ref, stage_ref, *, operand):
+    def per_query(t, carry):
+        rows = _gathered_rows(idx_ref, t, keys_ref, stage_ref, operand)
+        z = common.exact_dot(q_ref[t].astype(operand), rows, NT)  # [H_I, K_p]
+        w = common.rows_to_column(w_ref[pl.ds(t, 1), :])  # [H_I, 1]
+        out_ref[pl.ds(t, 1), :] = jnp.sum(w * jnp.maximum(z, 0.0), axis=0, keepdims=True)
+        return carry
+
+    lax.fori_loop(0, out_ref.shape[0], per_query, 0)
+
+
+def _grads_kernel(idx_ref, q_ref, w_ref, keys_ref, g_ref, dq_ref, dw_ref, dk_ref, stage_ref, dk_rows_ref, *,
+                  operand):
+    @pl.when(pl.program_id(2) == 0)  # the first query tile of this core's walk over a batch element
+    def _():
+        dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
+
+    rows_n, width = keys_ref.shape[0], idx_ref.shape[1]
+
+    def per_query(t, carry):
+        rows = _gathered_rows(idx_ref, t, keys_ref, stage_ref, operand)
+        q = q_ref[t].astype(operand)
+        z = common.exact_dot(q, rows, NT)  # [H_I, K_p]
+        positive = z > 0.0  # ReLU'(0) = 0 (SPEC §8)
+        g = g_ref[pl.ds(t, 1), :]  # [1, K_p]
+        w = common.rows_to_column(w_ref[pl.ds(t, 1), :])  # [H_I, 1]
+        dw = jnp.sum(jnp.where(positive, g * z, 0.0), axis=1, keepdims=True)
+        dw_ref[pl.ds(t, 1), :] = common.column_to_rows(dw, 1)
+        terms = common.hi_lo_terms(jnp.where(positive, w * g, 0.0), operand)
+        dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
+        dk_rows_ref[...] = sum(common.exact_dot(x, q, TN) for x in terms)  # [K_p, d_p]
+        for k in range(width):  # slot order: a duplicated index adds up
+            row = idx_ref[t, k] & (rows_n - 1)
+            dk_ref[pl.ds(row, 1), :] += dk_rows_ref[pl.ds(k, 1), :]
+        return carry
+
+    lax.fori_loop(0, dq_ref.shape[0], per_query, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    cfg: StudentGatherConfig
+    batch: int
+    padded_rows: int  # S_p: a multiple of CORES * block_q
+    width: int  # K_p: a multiple of 128
+    heads: int
+    head_dim: int  # d_p
+    resident_rows: int  # R
+    operand_dtype: object
+    interpret: object
+
+    @property
+    def nq(self):
+        return self.padded_rows // self.cfg.block_q
+
+    def cost(self, passes: int, written: int):
+        b, s, k, h, d = self.batch, self.padded_rows, self.width, self.heads, self.head_dim
+        flops = passes * 2 * b * s * k * h * d
+        # index_q, index_weights, the slot indices, the resident keys once, the gathered rows (VMEM, not HBM)
+        read = b * (s * h * d * jnp.dtype(self.operand_dtype).itemsize + 4 * s * h + 4 * s * k
+                    + 4 * self.resident_rows * d)
+        return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=read + written)
+
+
+def _query_specs(st: _Static, tile):
+    bq = st.cfg.block_q
+    return [pl.BlockSpec((bq, st.width), lambda *g: (tile(*g), 0), memory_space=pltpu.SMEM),
+            pl.BlockSpec((bq, st.heads, st.head_dim), lambda *g: (tile(*g), 0, 0)),
+            pl.BlockSpec((bq, st.heads), lambda *g: (tile(*g), 0))]
+
+
+def _forward(st: _Static, idx, q, w, keys):
+    bq, tile = st.cfg.block_q, lambda p: p
+    batch_of = lambda p: common.index_div(p, st.nq)
+    return runtime.pallas_call(
+        functools.partial(_scores_kernel, operand=st.operand_dtype),
+        out_shape=jax.ShapeDtypeStruct((st.batch * st.padded_rows, st.width), jnp.float32),
+        grid=(st.batch * st.nq,),
+        in_specs=_query_specs(st, tile) + [
+            pl.BlockSpec((None, st.resident_rows, st.head_dim), lambda p: (batch_of(p), 0, 0),
+                         pipeline_mode=pl.Buffered(1))],
+        out_specs=pl.BlockSpec((bq, st.width), lambda p: (p, 0)),
+        scratch_shapes=[pltpu.VMEM((st.width // 8, 8, st.head_dim), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=st.cfg.vmem_limit_bytes),
+        cost_estimate=st.cost(1, 4 * st.batch * st.padded_rows * st.width),
+        interpret=st.interpret,
+        name=f"csa_student_gather_scores_bq{bq}",
+    )(idx, q, w, keys)
+
+
+def _backward(st: _Static, idx, q, w, keys, g):
+    bq, half = st.cfg.block_q, st.nq // CORES
+    tile = lambda c, b, i: b * st.nq + c * half + i
+    b, s, h, d = st.batch, st.padded_rows, st.heads, st.head_dim
+    passes = 1 + 2 * (1 if st.operand_dtype == jnp.float32 else 2)
+    written = b * (s * h * d * q.dtype.itemsize + 4 * s * h) + 4 * CORES * b * st.resident_rows * d
+    dq, dw, dk = runtime.pallas_call(
+        functools.partial(_grads_kernel, operand=st.operand_dtype),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32),
+                   jax.ShapeDtypeStruct((CORES, b, st.resident_rows, d), jnp.float32)),
+        grid=(CORES, b, half),
+        in_specs=_query_specs(st, tile) + [
+            pl.BlockSpec((None, st.resident_rows, d), lambda c, bb, i: (bb, 0, 0), pipeline_mode=pl.Buffered(1)),
+            pl.BlockSpec((bq, st.width), lambda *g: (tile(*g), 0))],
+        out_specs=(pl.BlockSpec((bq, h, d), lambda *g: (tile(*g), 0, 0)),
+                   pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
+                   pl.BlockSpec((None, None, st.resident_rows, d), lambda c, bb, i: (c, bb, 0, 0))),
+        scratch_shapes=[pltpu.VMEM((st.width // 8, 8, d), jnp.float32), pltpu.VMEM((st.width, d), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+                                             vmem_limit_bytes=st.cfg.vmem_limit_bytes),
+        cost_estimate=st.cost(passes, written),
+        interpret=st.interpret,
+        name=f"csa_student_gather_grads_bq{bq}",
+    )(idx, q, w, keys, g)
+    return dq, dw, jnp.sum(dk, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scores(st: _Static, idx, q, w, keys):
+    return _forward(st, idx, q, w, keys)
+
+
+def _scores_fwd(st, idx, q, w, keys):
+    return _scores(st, idx, q, w, keys), (idx, q, w, keys)
+
+
+def _scores_bwd(st, residuals, g):
+    idx, q, w, keys = residuals
+    dq, dw, dk = _backward(st, idx, q, w, keys, g)
+    return None, dq, dw, dk
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
+def resident_keys(index_k) -> jax.Array:
+    """index_k float [B, N, d_I] -> the kernels' resident keys, f32 [B, R, d_p] (R = a power of two >= N, d_p = d_I
+    rounded up to 128; zeros past N and d_I): an exact upcast, the differentiable side (its cotangent sums over
+    query chunks in f32). A caller scoring many query chunks prepares it once."""
+    _, n, d = index_k.shape
+    rows = sparse_gather.resident_row_count(n)
+    return jnp.pad(index_k.astype(jnp.float32), ((0, 0), (0, rows - n), (0, common.round_up(d, 128) - d)))
+
+
+def scores(index_q, keys, index_weights, topk_indices, operand_dtype, cfg: StudentGatherConfig | None = None):
+    """I, f32 [B, S, K] in slot order (an empty or out-of-range slot holds some finite or non-finite value the
+    caller masks); differentiable wrt index_q, the resident keys and index_weights (a slot's cotangent lands on
+    the row it read, so an invalid slot must get a zero cotangent, as the loss gives it).
+
+    index_q float [B, S, H_I, d_I]; keys f32 [B, R, d_p] (`resident_keys`); index_weights float [B, S, H_I];
+    topk_indices int [B, S, K]; operand_dtype: the MXU operands (`student_scores.operand_dtype`)."""
+    b, s, h, d = index_q.shape
+    k = topk_indices.shape[2]
+    rows, d_p = keys.shape[1:]
+    if cfg is None:
+        cfg = StudentGatherConfig()
+    s_p, k_p = common.round_up(s, CORES * cfg.block_q), common.round_up(k, 128)
+    st = _Static(cfg, b, s_p, k_p, h, d_p, rows, jnp.dtype(operand_dtype), runtime.interpret_mode())
+    q_dtype = jnp.bfloat16 if index_q.dtype == jnp.bfloat16 else jnp.float32
+    q = jnp.pad(index_q.astype(q_dtype), ((0, 0), (0, s_p - s), (0, 0), (0, d_p - d))).reshape(b * s_p, h, d_p)
+    w = jnp.pad(index_weights.astype(jnp.float32), ((0, 0), (0, s_p - s), (0, 0))).reshape(b * s_p, h)
+    # Padded slots and rows read row R - 1 (their scores are sliced off; their cotangent is 0).
+    idx = jnp.pad(topk_indices.astype(jnp.int32), ((0, 0), (0, s_p - s), (0, k_p - k)), constant_values=-1)
+    out = _scores(st, idx.reshape(b * s_p, k_p), q, w, keys)
+    return out.reshape(b, s_p, k_p)[:, :s, :k]

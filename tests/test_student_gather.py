@@ -1,0 +1,107 @@
+"""The sparse student's gather kernels (`csa_pallas/kernels/student_gather.py`, SPEC §8) in interpret mode against
+an XLA gather of the selected index_k rows.
+
+Scores on every slot that names a block (0 <= index < N; future and cross-document blocks included: the loss masks
+those, the kernels score them like any row) and the three gradients for a cotangent that is zero on the other
+slots (what the loss hands them): within 1e-5 of f32 XLA for f32 inputs and one rounding for 16-bit ones. Drawn
+shapes (K below, at and above N, H_I 1-5, d_I 16-128), -1 / out-of-range / duplicated slots, adversarial
+selections, mixed dtypes, and the race- and out-of-bounds-checking interpreter (through the loss:
+test_student.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_pallas.kernels import runtime, student_scores
+from csa_pallas.kernels import student_gather as sg
+
+
+def _case(seed, *, batch=1, seq=24, blocks=20, width=12, heads=3, dim=16, q_dtype=jnp.float32, k_dtype=None,
+          topk=None):
+    rng = np.random.default_rng(seed)
+    k_dtype = k_dtype or q_dtype
+    idx = rng.integers(-1, blocks + 2, (batch, seq, width)).astype(np.int32) if topk is None else np.asarray(topk)
+    valid = (idx >= 0) & (idx < blocks)
+    return dict(q=jnp.asarray(rng.standard_normal((batch, seq, heads, dim)), q_dtype),
+                k=jnp.asarray(rng.standard_normal((batch, blocks, dim)), k_dtype),
+                w=jnp.asarray(rng.standard_normal((batch, seq, heads)), q_dtype), idx=jnp.asarray(idx),
+                valid=valid, g=jnp.asarray(rng.standard_normal(idx.shape), jnp.float32) * valid)
+
+
+def _xla_scores(q, k, w, idx):
+    rows = jax.vmap(lambda kb, ib: kb[jnp.clip(ib, 0, kb.shape[0] - 1)])(k.astype(jnp.float32), idx)  # [B,S,K,d]
+    dots = jnp.einsum("bsjd,bskd->bsjk", q.astype(jnp.float32), rows, precision="highest")
+    return jnp.einsum("bsj,bsjk->bsk", w.astype(jnp.float32), jax.nn.relu(dots), precision="highest")
+
+
+def _compare(c, cfg=None):
+    operand = student_scores.operand_dtype(c["q"].dtype, c["k"].dtype)
+    run = lambda q, k, w: sg.scores(q, sg.resident_keys(k), w, c["idx"], operand, cfg)
+    got = jax.jit(run)(c["q"], c["k"], c["w"])
+    want = _xla_scores(c["q"], c["k"], c["w"], c["idx"])
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    scale = max(float(jnp.max(jnp.abs(want))), 1.0)
+    assert float(jnp.max(jnp.where(c["valid"], jnp.abs(got - want), 0.0))) <= 1e-5 * scale
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a) * c["g"]), argnums=(0, 1, 2)))(c["q"], c["k"], c["w"])
+    f32 = [x.astype(jnp.float32) for x in (c["q"], c["k"], c["w"])]
+    wants = jax.grad(lambda *a: jnp.sum(_xla_scores(*a, c["idx"]) * c["g"]), argnums=(0, 1, 2))(*f32)
+    for name, a, b, like in zip(("index_q", "index_k", "index_weights"), grads, wants, (c["q"], c["k"], c["w"])):
+        assert a.dtype == like.dtype, name
+        tol = {jnp.float32: 1e-5, jnp.float16: 2.0 ** -10, jnp.bfloat16: 2.0 ** -7}[jnp.dtype(a.dtype).type]
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.max(np.abs(a - b)) <= tol * max(np.max(np.abs(b)), 1e-30), name
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), batch=st.integers(1, 2), seq=st.integers(1, 40), blocks=st.integers(1, 40),
+       width=st.integers(1, 140), heads=st.integers(1, 5), dim=st.sampled_from([16, 24, 128]), bf16=st.booleans())
+def test_drawn_shapes_match_an_xla_gather(seed, batch, seq, blocks, width, heads, dim, bf16):
+    """K below, at and above N; S and K off the tiles; -1, out-of-range and duplicated slots."""
+    _compare(_case(seed, batch=batch, seq=seq, blocks=blocks, width=width, heads=heads, dim=dim,
+                   q_dtype=jnp.bfloat16 if bf16 else jnp.float32))
+
+
+@pytest.mark.parametrize("pattern", ["same_block", "distinct_far", "duplicates", "all_empty"])
+def test_adversarial_selections(pattern):
+    """Every query picks the same block (its dk row takes every query's read-modify-write); every query picks
+    distinct blocks far away; each slot twice; no slot names a block (all -1: zero gradients)."""
+    seq, blocks, width = 24, 300, 16
+    rows = np.arange(seq)[:, None]
+    topk = {"same_block": np.full((seq, width), 7),
+            "distinct_far": (blocks - 1 - (rows * width + np.arange(width)) % blocks),
+            "duplicates": np.repeat(np.random.default_rng(0).integers(0, blocks, (seq, width // 2)), 2, axis=1),
+            "all_empty": np.full((seq, width), -1)}[pattern]
+    _compare(_case(3, seq=seq, blocks=blocks, width=width, topk=topk[None].astype(np.int32)))
+
+
+@pytest.mark.parametrize("q_dtype, k_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16),
+                                              (jnp.float16, jnp.float32)])
+def test_mixed_dtypes_run_f32_operands(q_dtype, k_dtype):
+    _compare(_case(4, batch=2, seq=20, heads=2, dim=32, q_dtype=q_dtype, k_dtype=k_dtype))
+
+
+def test_forced_query_tile():
+    _compare(_case(5, batch=2, seq=70, blocks=50, width=130, heads=4, dim=64), sg.StudentGatherConfig(block_q=16))
+
+
+def test_race_and_out_of_bounds_checking_interpreter():
+    params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", num_cores_or_threads=2)
+    with runtime.interpret_override(params):
+        _compare(_case(6, batch=1, seq=16, blocks=30, width=20, heads=2, dim=16, q_dtype=jnp.bfloat16))
+
+
+def test_config_and_vmem_budget():
+    with pytest.raises(ValueError, match="block_q: expected a positive multiple of 8, got 12"):
+        sg.StudentGatherConfig(block_q=12)
+    with pytest.raises(ValueError, match="vmem_limit_bytes: expected at least 1 MiB, got 1024"):
+        sg.StudentGatherConfig(vmem_limit_bytes=1024)
+    # S = 128K: N = 32768 resident f32 keys (16 MiB) and dk's accumulator fit; a million blocks do not
+    assert sg.default_config(num_blocks=32768, heads=64, head_dim=128, width=512) is not None
+    assert sg.default_config(num_blocks=1 << 20, heads=64, head_dim=128, width=512) is None
