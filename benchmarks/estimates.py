@@ -112,8 +112,8 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
 
 
 SPARSE_K = 512
-SPARSE_FUSED = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K} (student gather kernels, default query "
-                f"chunks, topk_indices sliced from [B, S, N])")
+SPARSE_FUSED = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K} (student gather kernels, "
+                f"default query chunks, topk_indices sliced from [B, S, N])")
 FUSED_ONE_CHUNK = "fwd+bwd fused_indexer_distill_loss per_head (student kernels, one query chunk)"
 STUDENT_KERNELS = "fwd+bwd student kernels alone (default ids: causal schedule from the grid)"
 
