@@ -25,6 +25,8 @@ from kernel_cases import packed_ids
 
 RATIO = 4
 
+FAST = {"xla_backend_optimization_level": 0}  # CPU compiles of the interpreted kernels dominate
+
 
 def _case(seed, *, batch=1, seq=40, blocks=None, heads=3, dim=16, dtype=jnp.float32, num_docs=1):
     rng = np.random.default_rng(seed)
@@ -52,15 +54,24 @@ def _xla_scores(q, k, w):
     return jnp.einsum("bsj,bsjn->bsn", w.astype(jnp.float32), jax.nn.relu(dots), precision="highest")
 
 
+def _scores_and_grads(run, c):
+    """(scores, the three gradients for the cotangent c["g"]) from one jitted program (interpret-mode compiles
+    dominate these tests' time)."""
+    def both(q, k, w):
+        out, vjp = jax.vjp(run, q, k, w)
+        return out, vjp(c["g"])
+    return jax.jit(both, compiler_options=FAST)(c["q"], c["k"], c["w"])
+
+
 def _compare(c, cfg=None):
+    """The kernels' scores and gradients against the XLA student's; returns them."""
     run = lambda q, k, w: sk.scores(q, k, w, c["positions"], c["block_end"], cfg)
-    got = jax.jit(run)(c["q"], c["k"], c["w"])
+    got, grads = _scores_and_grads(run, c)
     want = _xla_scores(c["q"], c["k"], c["w"])
     scale = float(jnp.max(jnp.abs(want)))
     assert got.shape == want.shape and got.dtype == jnp.float32
     err = float(jnp.max(jnp.where(c["visible"], jnp.abs(got - want), 0.0)))
     assert err <= 1e-5 * max(scale, 1.0), err
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a) * c["g"]), argnums=(0, 1, 2)))(c["q"], c["k"], c["w"])
     wants = jax.grad(lambda *a: jnp.sum(_xla_scores(*a) * c["g"]), argnums=(0, 1, 2))(c["q"], c["k"], c["w"])
     for name, a, b in zip(("index_q", "index_k", "index_weights"), grads, wants):
         assert a.dtype == b.dtype, name
@@ -68,6 +79,7 @@ def _compare(c, cfg=None):
         tol = {jnp.float32: 1e-5, jnp.float16: 2.0 ** -10, jnp.bfloat16: 2.0 ** -7}[jnp.dtype(a.dtype).type]
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.max(np.abs(a - b)) <= tol * max(np.max(np.abs(b)), 1e-30), name
+    return got, grads
 
 
 @settings(max_examples=8, deadline=None)
@@ -151,19 +163,12 @@ def test_causal_schedule_from_the_grid_equals_the_table(seq, block_q, block_k, t
     compute the same parts."""
     c = _case(7, seq=seq, heads=2, dim=16)
     cfg = sk.StudentKernelConfig(block_q=block_q, block_k=block_k, trim_kv_tile=trim)
-    table = lambda q, k, w: sk.scores(q, k, w, c["positions"], c["block_end"], cfg)
     grid = lambda q, k, w: sk.scores(q, k, w, c["positions"], c["block_end"], cfg, causal_ratio=RATIO)
-    args = (c["q"], c["k"], c["w"])
-    _compare(c, cfg)
-    np.testing.assert_array_equal(np.asarray(jax.jit(grid)(*args)) * c["visible"],
-                                  np.asarray(jax.jit(table)(*args)) * c["visible"])
-    for run in (table, grid):
-        grads = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a) * c["g"]), argnums=(0, 1, 2)))(*args)
-        if run is table:
-            want = grads
-        else:
-            for a, b in zip(grads, want):
-                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    table_scores, table_grads = _compare(c, cfg)  # the table against the XLA student
+    grid_scores, grid_grads = _scores_and_grads(grid, c)
+    np.testing.assert_array_equal(np.asarray(grid_scores) * c["visible"], np.asarray(table_scores) * c["visible"])
+    for a, b in zip(grid_grads, table_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     n = seq // RATIO
     s_p, n_p = -(-seq // block_q) * block_q, -(-n // block_k) * block_k
     skip = student_schedule.Skip(s_p // block_q, n_p // block_k, block_q, block_k, RATIO, cfg.parts)
