@@ -280,9 +280,8 @@ def indexer_scores(
             if cfg is None:
                 raise ValueError(f"implementation='pallas': the sparse student kernels keep index_k resident in "
                                  f"VMEM, which N={problem.num_blocks} does not fit; use None or 'xla'")
-            scores = student_gather.scores(st.index_q, student_gather.resident_keys(st.index_k), st.index_weights,
-                                           problem.topk_indices,
-                                           student_scores.operand_dtype(st.index_q.dtype, st.index_k.dtype), cfg)
+            scores = student_gather.scores_of_one_chunk(st.index_q, st.index_k, st.index_weights,
+                                                        problem.topk_indices, cfg)
             return jnp.where(reference.support(problem), scores, -jnp.inf)
         _, block_end = reference.block_keys(problem)
         scores = student_scores.scores(st.index_q, st.index_k, st.index_weights, problem.positions, block_end,
@@ -340,7 +339,7 @@ def fused_indexer_distill_loss(
     validation.check_reduction_args(reduction, scale)
     implementation = choose_implementation(problem)
     from csa_pallas import fused_student
-    use_kernels, _ = fused_student.resolve_student(student, problem)
+    use_kernels, _ = fused_student.resolve_student(student, problem, st.index_q.shape)
     if use_kernels and implementation != "pallas" and student != "auto":
         raise ValueError(f"student: the student kernels run on the Pallas path; with implementation="
                          f"{implementation!r} take 'auto' or 'xla', got {student!r}")

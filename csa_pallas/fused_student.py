@@ -61,7 +61,7 @@ def default_query_chunk(problem: Problem, index_head_chunk: int, index_dim: int 
     54, 91, 164 MiB at 128, 256, 512, 1024 rows). Sparse mode adds the XLA student's gathered keys,
     [chunk, K, d_I] f32 and their cotangent plus a bf16 copy (index_dim = d_I); with the sparse student kernels
     ~9 bytes per index_q element instead (its padded copy and dq; S = 32K, K = 512, H_I = 64, d_I = 128: temp
-    28.7 / 92.3 / 431 MiB at 256 / 1024 / 4096 rows, static estimate 74.2 / 72.5 / 75.1 ms)."""
+    32.8 / 64.5 / 85.9 MiB at 256 / 512 / 1024 rows, static estimate 56.9 / 57.1 / 57.2 ms)."""
     s, n = problem.seq_len, max(problem.width, 1)
     per_row = 4 * n * (5 if student_kernels else 2 * index_head_chunk + 10)
     if problem.sparse:
@@ -110,11 +110,11 @@ STUDENTS = ("auto", "pallas", "xla")
 CONFIGS = (student_scores.StudentKernelConfig, student_gather.StudentGatherConfig)
 
 
-def resolve_student(student, problem: Problem, index_q_shape=None):
+def resolve_student(student, problem: Problem, index_q_shape):
     """student ("auto", "pallas", "xla", a `StudentKernelConfig` for dense mode or a `StudentGatherConfig` for
     sparse mode) -> (use the kernels, the forced config or None). "auto": the kernels (dense: the tiled student
     kernels; sparse: the gather kernels, `kernels/student_gather.py`, while index_k fits resident in VMEM).
-    index_q_shape: [B, S, H_I, d_I] (the VMEM need; default H_I = 64, d_I = 128)."""
+    index_q_shape: [B, S, H_I, d_I] (the gather kernels' VMEM need)."""
     forced = student if isinstance(student, CONFIGS) else None
     if forced is None:
         validation.check_choice("student", student, STUDENTS)
@@ -132,11 +132,11 @@ def resolve_student(student, problem: Problem, index_q_shape=None):
     return True, forced
 
 
-def gather_config(problem: Problem, index_q_shape=None):
+def gather_config(problem: Problem, index_q_shape):
     """The sparse student kernels' default config, or None when they do not fit (`student_gather`)."""
-    heads, dim = (64, 128) if index_q_shape is None else index_q_shape[2:]
+    heads, dim = index_q_shape[2:]
     return student_gather.default_config(num_blocks=problem.num_blocks, heads=heads, head_dim=dim,
-                                         width=-(-problem.width // 128) * 128)
+                                         width=problem.width)
 
 
 # The Problem fields that hold arrays: they travel into the custom_vjp as arguments (a static template keeps the

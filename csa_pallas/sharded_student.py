@@ -37,10 +37,9 @@ def _owned_rows_scores(st: student_lib.Student, rows_problem, start, student):
     if not use_kernels:
         return student_lib.scores(owned, rows_problem)
     if rows_problem.sparse:
-        return student_gather.scores(owned.index_q, student_gather.resident_keys(owned.index_k),
-                                     owned.index_weights, rows_problem.topk_indices,
-                                     student_scores.operand_dtype(st.index_q.dtype, st.index_k.dtype),
-                                     forced or fused_student.gather_config(rows_problem, st.index_q.shape))
+        return student_gather.scores_of_one_chunk(owned.index_q, owned.index_k, owned.index_weights,
+                                                  rows_problem.topk_indices,
+                                                  forced or fused_student.gather_config(rows_problem, st.index_q.shape))
     _, block_end = reference.block_keys(rows_problem)
     return student_scores.scores(owned.index_q, owned.index_k, owned.index_weights, rows_problem.positions,
                                  block_end, forced)
@@ -76,7 +75,7 @@ def sharded_fused_indexer_distill_loss(
     st = student_lib.validate_student(index_q, index_k, index_weights, batch=problem.batch, seq_len=problem.seq_len,
                                       num_blocks=problem.num_blocks, index_head_chunk=index_head_chunk)
     validation.check_reduction_args(reduction, scale)
-    fused_student.resolve_student(student, problem)
+    fused_student.resolve_student(student, problem, st.index_q.shape)
     if query_chunk is not None and head_axis is not None:
         raise ValueError("query_chunk: with head_axis each device scores only the rows it owns (no query chunks); "
                          "drop query_chunk")

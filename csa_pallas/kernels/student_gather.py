@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import common, runtime, sparse_gather
+from csa_pallas.kernels import common, runtime, sparse_gather, student_scores
 from csa_pallas.kernels.common import NN, NT, TN
 
 CORES = 2  # the backward's dk partial sums: one per TensorCore (v5p megacore)
@@ -62,8 +62,9 @@ class StudentGatherConfig:
 
 
 def vmem_bytes(cfg: StudentGatherConfig, *, num_blocks: int, heads: int, head_dim: int, width: int) -> int:
-    """VMEM of the backward (the larger kernel): resident keys, dk's accumulator (double-buffered output), the
-    staging rows, the per-step blocks and one query's [H_I, K_p] / [K_p, d_p] temporaries."""
+    """width: K_p (K rounded up to 128). VMEM of the backward (the larger kernel): resident keys, dk's
+    accumulator (double-buffered output), the staging rows, the per-step blocks and one query's [H_I, K_p] /
+    [K_p, d_p] temporaries."""
     rows, d_p, k_p = sparse_gather.resident_row_count(num_blocks), common.round_up(head_dim, 128), width
     resident = (3 * rows + 2 * SCATTER_GROUP) * d_p * 4  # the keys; dk's accumulator, double-buffered
     blocks = 2 * cfg.block_q * (2 * heads * d_p * 4 + 2 * heads * 4 + 2 * k_p * 4)
@@ -72,9 +73,10 @@ def vmem_bytes(cfg: StudentGatherConfig, *, num_blocks: int, heads: int, head_di
 
 def default_config(*, num_blocks: int, heads: int, head_dim: int, width: int,
                    vmem_capacity: int = 64 * common.MiB):
-    """8 queries per step; None when the resident keys and dk's accumulator do not fit in VMEM."""
+    """8 queries per step; None when the resident keys and dk's accumulator do not fit in VMEM. width: K."""
     cfg = StudentGatherConfig()
-    need = vmem_bytes(cfg, num_blocks=num_blocks, heads=heads, head_dim=head_dim, width=width)
+    need = vmem_bytes(cfg, num_blocks=num_blocks, heads=heads, head_dim=head_dim,
+                      width=common.round_up(width, 128))
     if need > int(0.9 * vmem_capacity):
         return None
     return dataclasses.replace(cfg, vmem_limit_bytes=min(vmem_capacity - 4 * common.MiB,
@@ -213,14 +215,13 @@ def _backward(st: _Static, idx, q, w, keys, g):
     passes = 1 + 2 * (1 if st.operand_dtype == jnp.float32 else 2)
     written = b * (s * h * d * q.dtype.itemsize + 4 * s * h) + 4 * CORES * b * acc_rows * d
     targets, g = _scatter_plan(idx, g, st.resident_rows)
-    slot_spec = pl.BlockSpec((bq, st.width), lambda *g_: (tile(*g_), 0), memory_space=pltpu.SMEM)
-    query = _query_specs(st, tile)
+    query = _query_specs(st, tile)  # query[0]: a [bq, K_p] SMEM block, the slots' rows and their targets alike
     dq, dw, dk = runtime.pallas_call(
         functools.partial(_grads_kernel, operand=st.operand_dtype),
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32),
                    jax.ShapeDtypeStruct((CORES, b, acc_rows, d), jnp.float32)),
         grid=(CORES, b, half),
-        in_specs=[query[0], slot_spec] + query[1:] + [
+        in_specs=[query[0], query[0]] + query[1:] + [
             pl.BlockSpec((None, st.resident_rows, d), lambda c, bb, i: (bb, 0, 0), pipeline_mode=pl.Buffered(1)),
             pl.BlockSpec((bq, st.width), lambda *g_: (tile(*g_), 0))],
         out_specs=(pl.BlockSpec((bq, h, d), lambda *g_: (tile(*g_), 0, 0)),
@@ -261,6 +262,12 @@ def resident_keys(index_k) -> jax.Array:
     _, n, d = index_k.shape
     rows = sparse_gather.resident_row_count(n)
     return jnp.pad(index_k.astype(jnp.float32), ((0, 0), (0, rows - n), (0, common.round_up(d, 128) - d)))
+
+
+def scores_of_one_chunk(index_q, index_k, index_weights, topk_indices, cfg: StudentGatherConfig | None = None):
+    """`scores` with index_k (float [B, N, d_I]) made resident here: for a caller that scores its rows once."""
+    return scores(index_q, resident_keys(index_k), index_weights, topk_indices,
+                  student_scores.operand_dtype(index_q.dtype, index_k.dtype), cfg)
 
 
 def scores(index_q, keys, index_weights, topk_indices, operand_dtype, cfg: StudentGatherConfig | None = None):
