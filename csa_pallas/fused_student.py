@@ -12,7 +12,10 @@ Two ways to the gradient:
     weight * sum_t KL_t with one weight for every row, so under differentiation each step takes the fused KL
     kernel's G = d KL_t / d I (emitted by the same launch) straight through the student's backward and keeps
     d sum_t KL_t / d (index_q, index_k, index_weights); the custom_vjp's backward only scales them by the
-    cotangent. One teacher launch and one student forward + backward per chunk, nothing recomputed.
+    cotangent. One teacher launch and one student forward + backward per chunk, nothing recomputed. With the
+    sparse gather kernels (`StudentGatherConfig.fuse_kl`, the default) the teacher writes its slot-order P instead
+    and one student kernel per query tile takes the scores, the KL and the gradients (`student_gather_kl`), so
+    each slot's index_k row is gathered once, not twice.
   * reduction="none" (a cotangent per row, unknown in the forward): each step under `jax.checkpoint`; the backward
     recomputes the chunk's scores and teacher and runs the kernels' backward for the chunk alone.
 What exists at any time is [B, query_chunk, N] (scores, their gradient) plus, with the XLA student, its
@@ -34,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from csa_pallas import plans, reference, student as student_lib, validation
-from csa_pallas.kernels import student_gather, student_scores
+from csa_pallas.kernels import student_gather, student_gather_kl, student_scores
 from csa_pallas.validation import Problem
 
 TARGET_CHUNK_BYTES = 64 << 20  # the scores of one chunk, their gradient and the student terms, per batch row
@@ -61,7 +64,7 @@ def default_query_chunk(problem: Problem, index_head_chunk: int, index_dim: int 
     54, 91, 164 MiB at 128, 256, 512, 1024 rows). Sparse mode adds the XLA student's gathered keys,
     [chunk, K, d_I] f32 and their cotangent plus a bf16 copy (index_dim = d_I); with the sparse student kernels
     ~9 bytes per index_q element instead (its padded copy and dq; S = 32K, K = 512, H_I = 64, d_I = 128: temp
-    32.8 / 64.5 / 85.9 MiB at 256 / 512 / 1024 rows, static estimate 56.9 / 57.1 / 57.2 ms)."""
+    32.8 / 64.9 / 87.1 MiB at 256 / 512 / 1024 rows, static estimate 46.9 / 47.1 / 47.0 ms)."""
     s, n = problem.seq_len, max(problem.width, 1)
     per_row = 4 * n * (5 if student_kernels else 2 * index_head_chunk + 10)
     if problem.sparse:
@@ -220,6 +223,13 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
         if not with_gradient:
             logits = fn(q_rows, k, w_rows)
             return plan.fused_kl_rows(logits, shard, plan.layout(shard, kl_logits_dtype=logits.dtype))
+        if gathers and ctx.kernel_config.fuse_kl:
+            # One student kernel per query tile against the teacher's P' (`student_gather_kl`): rows gathered once.
+            target = plan.teacher(shard, plan.layout(shard, kl_logits_dtype=jnp.float32))
+            kl, nonempty, grads = student_gather_kl.loss_and_grads(
+                q_rows, k, w_rows, part["topk_indices"], target, operands, ctx.kernel_config,
+                grad_scale=ctx.row_weight)
+            return (kl, nonempty), grads
         logits, student_vjp = jax.vjp(fn, q_rows, k, w_rows)
         kl, nonempty, grad = plan.fused_kl_rows(logits, shard, plan.layout(shard, kl_logits_dtype=logits.dtype),
                                                 with_gradient=True, grad_scale=ctx.row_weight)

@@ -16,7 +16,7 @@ import pytest
 import csa_pallas
 from aot_cases import require_libtpu
 from csa_pallas import aot
-from csa_pallas.kernels import student_gather, student_scores
+from csa_pallas.kernels import student_gather, student_gather_kl, student_scores
 
 MiB = 1 << 20
 B, H, D, H_I, D_I = 1, 64, 512, 64, 128
@@ -60,8 +60,8 @@ def test_no_scores_sized_array_at_long_context(seq, topk, temp_mib):
     assert "tpu_custom_call" in text  # the teacher + fused KL kernels, compiled by Mosaic
     if topk is None:  # dense: the tiled student kernels
         assert "csa_student_scores" in text and "csa_student_grads" in text
-    else:  # sparse: the gather kernels (index_k resident in VMEM)
-        assert "csa_student_gather_scores" in text and "csa_student_gather_grads" in text
+    else:  # sparse: the one gather kernel of scores, KL and gradients (index_k resident in VMEM)
+        assert "csa_student_gather_kl_grads" in text and "csa_student_gather_scores" not in text
     assert block_indexed_arrays(text, seq, seq // 4) == []
     report = aot.memory_report(compiled)
     # Dense: 32K 45.8 MiB measured (256-row chunks), 128K 63.4 MiB (64 rows): the issue's bound (dense warm-up)
@@ -160,7 +160,8 @@ def test_sharded_fused_op_compiles_on_a_v5p_slice(axes, batch, temp_mib):
     (jnp.bfloat16, jnp.float32, None),  # bf16 queries, f32 operands
     (jnp.bfloat16, jnp.bfloat16, student_gather.StudentGatherConfig(block_q=16))])
 def test_sparse_student_gather_kernels_compile(q_dtype, k_dtype, config):
-    """The gather kernels alone, forward and backward, S = 4096, K = 512, N = 1024, H_I = 64, d_I = 128: bf16 (one
+    """The gather kernels alone, S = 4096, K = 512, N = 1024, H_I = 64, d_I = 128, in one program: the scores
+    kernel and its gradient kernel, and the one-kernel scores + KL + gradients (`student_gather_kl`); bf16 (one
     MXU pass forward, hi + lo backward), f32 or mixed (HIGHEST), a forced taller query tile."""
     require_libtpu()
     seq, n, k = 4096, 1024, 512
@@ -168,10 +169,14 @@ def test_sparse_student_gather_kernels_compile(q_dtype, k_dtype, config):
 
     def grads(iq, ik, iw, topk, g):
         run = lambda q, kk, w: student_gather.scores(q, student_gather.resident_keys(kk), w, topk, operand, config)
-        return jax.value_and_grad(lambda *x: jnp.sum(run(*x) * g), argnums=(0, 1, 2))(iq, ik, iw)
+        two_kernels = jax.value_and_grad(lambda *x: jnp.sum(run(*x) * g), argnums=(0, 1, 2))(iq, ik, iw)
+        one_kernel = student_gather_kl.loss_and_grads(iq, student_gather.resident_keys(ik), iw, topk, g, operand,
+                                                      config)
+        return two_kernels, one_kernel
     struct = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype)
     compiled = aot.compile_for_tpu(grads, struct(q_dtype, B, seq, H_I, D_I), struct(k_dtype, B, n, D_I),
                                    struct(q_dtype, B, seq, H_I), jax.ShapeDtypeStruct((B, seq, k), jnp.int32),
                                    jax.ShapeDtypeStruct((B, seq, k), jnp.float32))
     text = compiled.as_text()
     assert "csa_student_gather_scores" in text and "csa_student_gather_grads" in text
+    assert "csa_student_gather_kl_grads" in text

@@ -324,6 +324,7 @@ def test_fused_op_student_choices():
     # sparse mode: the gather kernels ("auto" and forced with a config) and the XLA student
     c, kw = make_student_case(5, seq=64, num_docs=2, loss_mask=True, topk=6)
     _check(c, kw, "joint", implementation="pallas", student=StudentGatherConfig(block_q=16), query_chunk=32)
+    _check(c, kw, "joint", implementation="pallas", student=StudentGatherConfig(fuse_kl=False), query_chunk=32)
     _check(c, kw, "per_head", implementation="pallas", student="xla")
     _check(c, kw, "per_head", implementation="pallas", student="pallas", reduction="sum")
 

@@ -12,6 +12,7 @@ test_student.py).
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -133,3 +134,32 @@ def test_config_and_vmem_budget():
     # S = 128K: N = 32768 resident f32 keys (16 MiB) and dk's accumulator fit; a million blocks do not
     assert sg.default_config(num_blocks=32768, heads=64, head_dim=128, width=512) is not None
     assert sg.default_config(num_blocks=1 << 20, heads=64, head_dim=128, width=512) is None
+
+
+def _pallas_calls(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _pallas_calls(sub)
+
+
+def test_declared_hbm_bytes_count_every_fetch():
+    """CostEstimate.bytes_accessed is each operand's and result's HBM bytes once, plus the resident keys once more
+    per extra fetch: the backward's grid fetches them per TensorCore and batch element, the forward's per batch
+    element of each core's half of the query tiles (B = 3: the split falls inside the second element)."""
+    b, s, h, d, n, k = 3, 32, 4, 16, 64, 8
+    q, kk, w = jnp.ones((b, s, h, d), jnp.bfloat16), jnp.ones((b, n, d), jnp.bfloat16), jnp.ones((b, s, h))
+    idx = jnp.zeros((b, s, k), jnp.int32)
+    loss = lambda q, kk, w: jnp.sum(sg.scores_of_one_chunk(q, kk, w, idx))
+    calls = {eqn.params["name"]: eqn for eqn in _pallas_calls(
+        jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kk, w).jaxpr)}
+    nbytes = lambda avals: sum(a.size * a.dtype.itemsize for a in avals)
+    one_key_set = sg.sparse_gather.resident_row_count(n) * 128 * 4
+    for name, eqn in calls.items():
+        moved = nbytes([v.aval for v in eqn.invars]) + nbytes([v.aval for v in eqn.outvars])
+        extra = (sg.CORES - 1) * b * one_key_set if "grads" in name else one_key_set
+        assert eqn.params["cost_estimate"].bytes_accessed == moved + extra, name
+    assert len(calls) == 2
+    # the helper's cases: one element over both cores; a boundary between elements; a boundary inside one
+    assert [sg.common.resident_fetches(b, 4) for b in (1, 2, 3)] == [2, 2, 4]

@@ -43,6 +43,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+MEGACORE = 2  # TensorCores sharing a "parallel" grid axis on v5p
+
+
+def resident_fetches(batch: int, steps_per_batch: int) -> int:
+    """HBM fetches of a block that changes once per batch element (a resident [R, d] operand) along one "parallel"
+    grid axis of batch * steps_per_batch steps, which the MEGACORE cores walk in contiguous shares: one fetch per
+    batch element each share touches (batch + 1 when a share boundary falls inside an element)."""
+    total = batch * steps_per_batch
+    bounds = [c * total // MEGACORE for c in range(MEGACORE + 1)]
+    shares = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    return sum((hi - 1) // steps_per_batch - lo // steps_per_batch + 1 for lo, hi in shares)
+
+
 def sublane_multiple(dtype) -> int:
     """Rows per native tile: 8 for 32-bit, 16 for 16-bit dtypes."""
     return SUBLANES * max(1, 4 // jnp.dtype(dtype).itemsize)

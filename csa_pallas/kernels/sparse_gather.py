@@ -272,8 +272,10 @@ def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherC
                                normalize=normalize, unroll_slots=cfg.unroll_slots, kl=kl)
     flops = 2 * b * s_p * k_p * h * d
     kl_bytes = 0 if kl is None else logits.size * logits.dtype.itemsize * (2 if kl.emit_gradient else 1)
-    # q once, the resident rows once per core (2), the indices (SMEM blocks) and slot bits once.
-    bytes_accessed = (q.size * q.dtype.itemsize + 2 * rows.size * 4 + (idx.size + vbits.size) * 4 + kl_bytes
+    # q once, the resident rows once per batch element of each core's share of the query tiles, the indices (SMEM
+    # blocks) and slot bits once.
+    bytes_accessed = (q.size * q.dtype.itemsize + common.resident_fetches(b, nq) * rows[0].size * 4
+                      + (idx.size + vbits.size) * 4 + kl_bytes
                       + (0 if lse_in is None else lse_in[0].size * 4) + (0 if kl is not None else b * s_p * k_p * 4))
     return runtime.pallas_call(
         kernel,

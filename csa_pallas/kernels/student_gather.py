@@ -23,7 +23,9 @@ sparse mode): every query gathers its K selected index_k rows, as the sparse tea
 Static v5p estimates (tpu_estimate, cycles per slot row; S = 32K, K = 512, H_I = 64, d_I = 128, bf16): forward
 ~2.15 (the row load 1.65: the scalar unit bounds it, so the rows arrive masked to [0, R) from XLA), backward ~5.8
 (load 1.65, read-modify-write 2.5 batched against 4.2 one slot at a time, the products). Fused sparse loss at
-S = 32K: forward kernel 10.3 ms, backward 27.8 ms.
+S = 32K: forward kernel 10.3 ms, backward 27.8 ms. Where the loss takes its gradient in the forward pass, the
+default (`StudentGatherConfig.fuse_kl`) is instead one kernel that gathers the rows once for the scores, the KL
+and the gradients (`student_gather_kl`): 28.1 ms for both.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 from csa_pallas.kernels import common, runtime, sparse_gather, student_scores
 from csa_pallas.kernels.common import NN, NT, TN
 
-CORES = 2  # the backward's dk partial sums: one per TensorCore (v5p megacore)
+CORES = common.MEGACORE  # the backward's dk partial sums: one per TensorCore
 # Slots per batched read-modify-write of dk (static v5p estimates per slot row: 4.2 cycles one at a time, 2.9 in
 # groups of 8, 2.5 of 16, 4.2 of 32, whose rows no longer fit the registers).
 SCATTER_GROUP = 16
@@ -49,10 +51,14 @@ SCATTER_GROUP = 16
 @dataclasses.dataclass(frozen=True)
 class StudentGatherConfig:
     """block_q: queries per grid step (a multiple of 8; one query's slots are gathered and scored at a time);
-    vmem_limit_bytes: Mosaic's scoped-VMEM limit for both kernels."""
+    vmem_limit_bytes: Mosaic's scoped-VMEM limit for every kernel; fuse_kl: where the loss takes its gradient in
+    the forward pass, one kernel per query tile gathers the rows once for the scores, the KL against the teacher's
+    P and the gradients (`student_gather_kl`) instead of this module's scores and gradient kernels around the
+    teacher's fused KL (which gather them twice)."""
 
     block_q: int = 8
     vmem_limit_bytes: int = 48 * common.MiB
+    fuse_kl: bool = True
 
     def __post_init__(self):
         if self.block_q < 8 or self.block_q % 8:
@@ -62,13 +68,16 @@ class StudentGatherConfig:
 
 
 def vmem_bytes(cfg: StudentGatherConfig, *, num_blocks: int, heads: int, head_dim: int, width: int) -> int:
-    """width: K_p (K rounded up to 128). VMEM of the backward (the larger kernel): resident keys, dk's
+    """width: K_p (K rounded up to 128). VMEM of the largest kernel, the gradient kernel: resident keys, dk's
     accumulator (double-buffered output), the staging rows, the per-step blocks and one query's [H_I, K_p] /
-    [K_p, d_p] temporaries."""
-    rows, d_p, k_p = sparse_gather.resident_row_count(num_blocks), common.round_up(head_dim, 128), width
+    [K_p, d_p] temporaries; with fuse_kl (`student_gather_kl`) also the staging of every query of a tile and its
+    [block_q, K_p] scores, G, P' and counts."""
+    rows, d_p = sparse_gather.resident_row_count(num_blocks), common.round_up(head_dim, 128)
+    k_p, bq = width, cfg.block_q
     resident = (3 * rows + 2 * SCATTER_GROUP) * d_p * 4  # the keys; dk's accumulator, double-buffered
-    blocks = 2 * cfg.block_q * (2 * heads * d_p * 4 + 2 * heads * 4 + 2 * k_p * 4)
-    return resident + blocks + 2 * k_p * d_p * 4 + 8 * heads * k_p * 4 + 4 * k_p * d_p * 4
+    blocks = 2 * bq * (2 * heads * d_p * 4 + 2 * heads * 4 + 2 * k_p * 4)
+    fused = (bq - 1) * k_p * d_p * 4 + 6 * bq * k_p * 4 if cfg.fuse_kl else 0
+    return resident + blocks + 2 * k_p * d_p * 4 + 8 * heads * k_p * 4 + 4 * k_p * d_p * 4 + fused
 
 
 def default_config(*, num_blocks: int, heads: int, head_dim: int, width: int,
@@ -171,12 +180,15 @@ class _Static:
     def nq(self):
         return self.padded_rows // self.cfg.block_q
 
-    def cost(self, passes: int, written: int, q_itemsize: int, slot_arrays: int):
-        """slot_arrays: [S_p, K_p] 32-bit arrays read (the indices; the backward's targets and cotangent)."""
+    def cost(self, passes: int, written: int, q_itemsize: int, slot_arrays: int, key_fetches: int):
+        """slot_arrays: [S_p, K_p] 32-bit arrays read (the indices; the backward's targets and cotangent);
+        key_fetches: how many times the grid fetches a batch element's resident keys, all batch elements together
+        (the backward: once per TensorCore and batch element)."""
         b, s, k, h, d = self.batch, self.padded_rows, self.width, self.heads, self.head_dim
         flops = passes * 2 * b * s * k * h * d
-        # index_q, index_weights, the slot arrays, the resident keys once (the gathered rows are VMEM, not HBM)
-        read = b * (s * h * d * q_itemsize + 4 * s * h + 4 * slot_arrays * s * k + 4 * self.resident_rows * d)
+        # index_q, index_weights, the slot arrays, the resident keys per fetch (the gathered rows are VMEM, not HBM)
+        read = (b * (s * h * d * q_itemsize + 4 * s * h + 4 * slot_arrays * s * k)
+                + 4 * key_fetches * self.resident_rows * d)
         return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=read + written)
 
 
@@ -201,7 +213,8 @@ def _forward(st: _Static, idx, q, w, keys):
         scratch_shapes=[pltpu.VMEM((st.width // 8, 8, st.head_dim), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                              vmem_limit_bytes=st.cfg.vmem_limit_bytes),
-        cost_estimate=st.cost(1, 4 * st.batch * st.padded_rows * st.width, q.dtype.itemsize, 1),
+        cost_estimate=st.cost(1, 4 * st.batch * st.padded_rows * st.width, q.dtype.itemsize, 1,
+                              common.resident_fetches(st.batch, st.nq)),
         interpret=st.interpret,
         name=f"csa_student_gather_scores_bq{bq}",
     )(idx, q, w, keys)
@@ -230,7 +243,7 @@ def _backward(st: _Static, idx, q, w, keys, g):
         scratch_shapes=[pltpu.VMEM((st.width // 8, 8, d), jnp.float32), pltpu.VMEM((st.width, d), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=st.cfg.vmem_limit_bytes),
-        cost_estimate=st.cost(passes, written, q.dtype.itemsize, 3),
+        cost_estimate=st.cost(passes, written, q.dtype.itemsize, 3, CORES * b),
         interpret=st.interpret,
         name=f"csa_student_gather_grads_bq{bq}",
     )(idx, targets, q, w, keys, g)

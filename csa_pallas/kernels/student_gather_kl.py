@@ -1,0 +1,165 @@
+"""The sparse student's scores, the KL against the teacher's P and all three gradients in one kernel per query
+tile (SPEC §4-§5, §8): each query's K selected index_k rows are gathered once, where the two-kernel route
+(`student_gather`: scores, the teacher's fused KL, then the gradients) gathers them twice.
+
+Used where the loss is differentiated with the gradient taken in the forward pass (`fused_student`, scalar
+reductions): the teacher writes its slot-order P' [B, S_p, K_p] (`ops_sparse.teacher_padded`: -1 on empty slots,
+a NaN row stays NaN) instead of reading the student's scores, and this kernel, per query tile of block_q rows,
+  1. gathers every query's rows into a staging buffer [block_q, K_p, d_p] and writes its scores I [block_q, K_p]
+     (as `student_gather._scores_kernel`),
+  2. takes the KL of the tile against P' and G = grad_scale * (softmax_V(I) sum P - P) with the teacher kernels'
+     own epilogue (`fused_kl.kl_epilogue`; V(t) = the slots where P' is not negative),
+  3. runs the backward of every query from the staged rows (as `student_gather._grads_kernel`), dk by batched
+     read-modify-writes. The batches need distinct targets, and here G exists only inside the kernel, so XLA
+     cannot fold a duplicated slot's cotangent into the first slot reading its row. It folds the multiplicity
+     instead: a slot's G depends only on the row it reads (SPEC §2: each duplicate is its own softmax entry with
+     the same score and target), so the first valid slot reading a row in its group adds G * (the group's count of
+     valid slots reading it) and the others are sent to discarded rows with a count of 0 (`fold_plan`).
+
+Static v5p estimates (S = 32K, K = 512, H_I = 64, d_I = 128, bf16) are in `fused_student.default_query_chunk`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from csa_pallas.kernels import common, fused_kl, runtime
+from csa_pallas.kernels import student_gather as sg
+from csa_pallas.kernels.common import NN, NT, TN
+
+
+def fold_plan(idx, valid, rows: int):
+    """idx int32 [n, K_p] (the rows the slots read, in [0, R)), valid bool [n, K_p] (the slot is in V(t))
+    -> (targets int32 [n, K_p], counts f32 [n, K_p]). Within each group of SCATTER_GROUP slots, the first valid
+    slot reading a row keeps it as its target with the number of valid slots of the group reading it; every other
+    slot (an invalid one, or a later duplicate) gets count 0 and a discarded row of its own (R + its lane)."""
+    n, k = idx.shape
+    group = sg.SCATTER_GROUP
+    read = idx.reshape(n, k // group, group)
+    ok = valid.reshape(read.shape)
+    same = (read[..., :, None] == read[..., None, :]) & ok[..., :, None] & ok[..., None, :]  # [n, groups, a, b]
+    lane = jnp.arange(group)
+    earlier = lane[:, None] < lane[None, :]
+    first = ok & ~jnp.any(same & earlier, axis=-2)
+    counts = jnp.sum(same, axis=-1).astype(jnp.float32)
+    targets = jnp.where(first, read, rows + lane)
+    return targets.reshape(n, k), jnp.where(first, counts, 0.0).reshape(n, k)
+
+
+def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_ref, dw_ref, dk_ref, stats_ref,
+            stage_ref, logits_ref, grad_ref, dk_rows_ref, *, operand, kl: fused_kl.FusedKL):
+    @pl.when(pl.program_id(2) == 0)  # the first query tile of this core's walk over a batch element
+    def _():
+        dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
+
+    block_q, width = idx_ref.shape
+    d_p = keys_ref.shape[1]
+
+    def staged(t):
+        return stage_ref[t].reshape(width, d_p).astype(operand)
+
+    def score(t, carry):  # phase 1: gather once (into the query's own staging rows), score
+        rows = sg._gathered_rows(idx_ref, t, keys_ref, stage_ref.at[t], operand)
+        z = common.exact_dot(q_ref[t].astype(operand), rows, NT)  # [H_I, K_p]
+        w = common.rows_to_column(w_ref[pl.ds(t, 1), :])
+        logits_ref[pl.ds(t, 1), :] = jnp.sum(w * jnp.maximum(z, 0.0), axis=0, keepdims=True)
+        return carry
+
+    lax.fori_loop(0, block_q, score, 0)
+    # phase 2: the tile's KL and G (P' is the target; its empty slots are -1, masked to 0 by mask_target)
+    fused_kl.kl_epilogue(kl, p_ref, logits_ref, stats_ref, grad_ref,
+                         visible_at=lambda start, size: jnp.logical_not(p_ref[:, pl.ds(start, size)] < 0.0),
+                         mask_target=True)
+
+    def backward(t, carry):  # phase 3: the gradients from the staged rows
+        rows = staged(t)
+        q = q_ref[t].astype(operand)
+        z = common.exact_dot(q, rows, NT)
+        positive = z > 0.0  # ReLU'(0) = 0 (SPEC §8)
+        g = grad_ref[pl.ds(t, 1), :]  # [1, K_p]
+        w = common.rows_to_column(w_ref[pl.ds(t, 1), :])
+        dw = jnp.sum(jnp.where(positive, g * z, 0.0), axis=1, keepdims=True)
+        dw_ref[pl.ds(t, 1), :] = common.column_to_rows(dw, 1)
+        terms = common.hi_lo_terms(jnp.where(positive, w * g, 0.0), operand)
+        dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
+        folded = common.hi_lo_terms(jnp.where(positive, w * (g * count_ref[pl.ds(t, 1), :]), 0.0), operand)
+        dk_rows_ref[...] = sum(common.exact_dot(x, q, TN) for x in folded)  # [K_p, d_p]
+        for start in range(0, width, sg.SCATTER_GROUP):  # as `student_gather._grads_kernel`
+            targets = [target_ref[t, start + e] for e in range(sg.SCATTER_GROUP)]
+            old = [dk_ref[pl.ds(r, 1), :] for r in targets]
+            for e, r in enumerate(targets):
+                dk_ref[pl.ds(r, 1), :] = old[e] + dk_rows_ref[pl.ds(start + e, 1), :]
+        return carry
+
+    lax.fori_loop(0, block_q, backward, 0)
+
+
+def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_dtype,
+                   cfg: sg.StudentGatherConfig | None = None, grad_scale: float = 1.0):
+    """(per-row KL f32 [B, S], non-empty rows bool [B, S], (d index_q, d keys, d index_weights)): the KL of
+    softmax_V(I) against the teacher's slot-order target and the gradients of grad_scale * sum_t KL_t, I the
+    student's scores over the selection (`student_gather.scores`). Not differentiable (the caller's custom_vjp
+    scales the gradients by the loss's cotangent).
+
+    index_q float [B, S, H_I, d_I]; keys f32 [B, R, d_p] (`student_gather.resident_keys`); index_weights float
+    [B, S, H_I]; topk_indices int [B, S, K]; target f32 [B, S_t, K_t] (S_t >= S, K_t >= K: the teacher's padded
+    P', -1 on empty slots and past S and K); gradients: index_q's dtype, f32 [B, R, d_p], f32 [B, S, H_I]."""
+    b, s, h, d = index_q.shape
+    k = topk_indices.shape[2]
+    rows, d_p = keys.shape[1:]
+    cfg = sg.StudentGatherConfig() if cfg is None else cfg
+    bq = cfg.block_q
+    s_p, k_p = common.round_up(s, sg.CORES * bq), common.round_up(k, 128)
+    nq, half = s_p // bq, s_p // bq // sg.CORES
+    q_dtype = jnp.bfloat16 if index_q.dtype == jnp.bfloat16 else jnp.float32
+    q = jnp.pad(index_q.astype(q_dtype), ((0, 0), (0, s_p - s), (0, 0), (0, d_p - d))).reshape(b * s_p, h, d_p)
+    w = jnp.pad(index_weights.astype(jnp.float32), ((0, 0), (0, s_p - s), (0, 0))).reshape(b * s_p, h)
+    idx = jnp.pad(topk_indices.astype(jnp.int32), ((0, 0), (0, s_p - s), (0, k_p - k)), constant_values=-1)
+    idx = (idx & (rows - 1)).reshape(b * s_p, k_p)
+    p = jnp.pad(target[:, :s, :k].astype(jnp.float32), ((0, 0), (0, s_p - s), (0, k_p - k)),
+                constant_values=-1.0).reshape(b * s_p, k_p)
+    targets, counts = fold_plan(idx, jnp.logical_not(p < 0.0), rows)
+    kl = fused_kl.FusedKL(emit_gradient=True, seq_len=s, grad_scale=grad_scale)
+    acc_rows = rows + sg.SCATTER_GROUP
+    tile = lambda c, bb, i: bb * nq + c * half + i
+    slots = pl.BlockSpec((bq, k_p), lambda *g: (tile(*g), 0), memory_space=pltpu.SMEM)
+    slot_values = pl.BlockSpec((bq, k_p), lambda *g: (tile(*g), 0))
+    operand = jnp.dtype(operand_dtype)
+    passes = 1 + 1 + 2 * (1 if operand == jnp.float32 else 2)  # scores, recomputed z, dq and dk terms
+    read = b * s_p * (h * d_p * q.dtype.itemsize + 4 * h + 4 * 4 * k_p) + 4 * sg.CORES * b * rows * d_p
+    written = b * s_p * (h * d_p * q.dtype.itemsize + 4 * h) + 4 * sg.CORES * b * acc_rows * d_p + 4 * b * nq * 8 * bq
+    dq, dw, dk, stats = runtime.pallas_call(
+        functools.partial(_kernel, operand=operand, kl=kl),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32),
+                   jax.ShapeDtypeStruct((sg.CORES, b, acc_rows, d_p), jnp.float32),
+                   jax.ShapeDtypeStruct((b, nq, fused_kl.KL_STAT_ROWS, bq), jnp.float32)),
+        grid=(sg.CORES, b, half),
+        in_specs=[slots, slots,
+                  pl.BlockSpec((bq, h, d_p), lambda *g: (tile(*g), 0, 0)),
+                  pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
+                  pl.BlockSpec((None, rows, d_p), lambda c, bb, i: (bb, 0, 0), pipeline_mode=pl.Buffered(1)),
+                  slot_values, slot_values],
+        out_specs=(pl.BlockSpec((bq, h, d_p), lambda *g: (tile(*g), 0, 0)),
+                   pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
+                   pl.BlockSpec((None, None, acc_rows, d_p), lambda c, bb, i: (c, bb, 0, 0)),
+                   pl.BlockSpec((None, None, fused_kl.KL_STAT_ROWS, bq), lambda c, bb, i: (bb, c * half + i, 0, 0))),
+        scratch_shapes=[pltpu.VMEM((bq, k_p // 8, 8, d_p), jnp.float32), pltpu.VMEM((bq, k_p), jnp.float32),
+                        pltpu.VMEM((bq, k_p), jnp.float32), pltpu.VMEM((k_p, d_p), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+                                             vmem_limit_bytes=cfg.vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(flops=passes * 2 * b * s_p * k_p * h * d_p, transcendentals=b * s_p * k_p,
+                                      bytes_accessed=read + written),
+        interpret=runtime.interpret_mode(),
+        name=f"csa_student_gather_kl_grads_bq{bq}",
+    )(idx, targets, q, w, keys, p, counts)
+    kl_rows = stats[:, :, 0, :].reshape(b, s_p)[:, :s]
+    nonempty = stats[:, :, 3, :].reshape(b, s_p)[:, :s] > 0
+    dq = dq.reshape(b, s_p, h, d_p)[:, :s, :, :d].astype(index_q.dtype)
+    dw = dw.reshape(b, s_p, h)[:, :s]
+    return kl_rows, nonempty, (dq, jnp.sum(dk[:, :, :rows], axis=0), dw)
