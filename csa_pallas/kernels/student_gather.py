@@ -25,7 +25,7 @@ Static v5p estimates (tpu_estimate, cycles per slot row; S = 32K, K = 512, H_I =
 (load 1.65, read-modify-write 2.5 batched against 4.2 one slot at a time, the products). Fused sparse loss at
 S = 32K: forward kernel 10.3 ms, backward 27.8 ms. Where the loss takes its gradient in the forward pass, the
 default (`StudentGatherConfig.fuse_kl`) is instead one kernel that gathers the rows once for the scores, the KL
-and the gradients (`student_gather_kl`): 28.1 ms for both.
+and the gradients (`student_gather_kl`): 27.1 ms for both.
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ def vmem_bytes(cfg: StudentGatherConfig, *, num_blocks: int, heads: int, head_di
     """width: K_p (K rounded up to 128). VMEM of the largest kernel, the gradient kernel: resident keys, dk's
     accumulator (double-buffered output), the staging rows, the per-step blocks and one query's [H_I, K_p] /
     [K_p, d_p] temporaries; with fuse_kl (`student_gather_kl`) also the staging of every query of a tile and its
-    [block_q, K_p] scores, G, P' and counts."""
+    [block_q, K_p] scores, G, P' and counts and its [block_q, H_I, K_p] products."""
     rows, d_p = sparse_gather.resident_row_count(num_blocks), common.round_up(head_dim, 128)
     k_p, bq = width, cfg.block_q
     resident = (3 * rows + 2 * SCATTER_GROUP) * d_p * 4  # the keys; dk's accumulator, double-buffered
     blocks = 2 * bq * (2 * heads * d_p * 4 + 2 * heads * 4 + 2 * k_p * 4)
-    fused = (bq - 1) * k_p * d_p * 4 + 6 * bq * k_p * 4 if cfg.fuse_kl else 0
+    fused = (bq - 1) * k_p * d_p * 4 + 6 * bq * k_p * 4 + bq * heads * k_p * 4 if cfg.fuse_kl else 0
     return resident + blocks + 2 * k_p * d_p * 4 + 8 * heads * k_p * 4 + 4 * k_p * d_p * 4 + fused
 
 

@@ -9,12 +9,14 @@ a NaN row stays NaN) instead of reading the student's scores, and this kernel, p
      (as `student_gather._scores_kernel`),
   2. takes the KL of the tile against P' and G = grad_scale * (softmax_V(I) sum P - P) with the teacher kernels'
      own epilogue (`fused_kl.kl_epilogue`; V(t) = the slots where P' is not negative),
-  3. runs the backward of every query from the staged rows (as `student_gather._grads_kernel`), dk by batched
-     read-modify-writes. The batches need distinct targets, and here G exists only inside the kernel, so XLA
-     cannot fold a duplicated slot's cotangent into the first slot reading its row. It folds the multiplicity
-     instead: a slot's G depends only on the row it reads (SPEC §2: each duplicate is its own softmax entry with
-     the same score and target), so the first valid slot reading a row in its group adds G * (the group's count of
-     valid slots reading it) and the others are sent to discarded rows with a count of 0 (`fold_plan`).
+  3. runs the backward of every query from the staged rows and the products q . k kept from step 1 ([block_q,
+     H_I, K_p] f32 in VMEM; recomputing them instead cost 4% of the kernel's estimate), as
+     `student_gather._grads_kernel` does, dk by batched read-modify-writes. The batches need distinct targets,
+     and here G exists only inside the kernel, so XLA cannot fold a duplicated slot's cotangent into the first
+     slot reading its row. It folds the multiplicity instead: a slot's G depends only on the row it reads
+     (SPEC §2: each duplicate is its own softmax entry with the same score and target), so the first valid slot
+     reading a row in its group adds G * (the group's count of valid slots reading it) and the others are sent
+     to discarded rows with a count of 0 (`fold_plan`).
 
 Static v5p estimates (S = 32K, K = 512, H_I = 64, d_I = 128, bf16) are in `fused_student.default_query_chunk`.
 """
@@ -53,7 +55,7 @@ def fold_plan(idx, valid, rows: int):
 
 
 def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_ref, dw_ref, dk_ref, stats_ref,
-            stage_ref, logits_ref, grad_ref, dk_rows_ref, *, operand, kl: fused_kl.FusedKL):
+            stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, *, operand, kl: fused_kl.FusedKL):
     @pl.when(pl.program_id(2) == 0)  # the first query tile of this core's walk over a batch element
     def _():
         dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
@@ -67,6 +69,7 @@ def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_re
     def score(t, carry):  # phase 1: gather once (into the query's own staging rows), score
         rows = sg._gathered_rows(idx_ref, t, keys_ref, stage_ref.at[t], operand)
         z = common.exact_dot(q_ref[t].astype(operand), rows, NT)  # [H_I, K_p]
+        z_ref[t] = z
         w = common.rows_to_column(w_ref[pl.ds(t, 1), :])
         logits_ref[pl.ds(t, 1), :] = jnp.sum(w * jnp.maximum(z, 0.0), axis=0, keepdims=True)
         return carry
@@ -80,7 +83,7 @@ def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_re
     def backward(t, carry):  # phase 3: the gradients from the staged rows
         rows = staged(t)
         q = q_ref[t].astype(operand)
-        z = common.exact_dot(q, rows, NT)
+        z = z_ref[t]
         positive = z > 0.0  # ReLU'(0) = 0 (SPEC §8)
         g = grad_ref[pl.ds(t, 1), :]  # [1, K_p]
         w = common.rows_to_column(w_ref[pl.ds(t, 1), :])
@@ -131,7 +134,7 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     slots = pl.BlockSpec((bq, k_p), lambda *g: (tile(*g), 0), memory_space=pltpu.SMEM)
     slot_values = pl.BlockSpec((bq, k_p), lambda *g: (tile(*g), 0))
     operand = jnp.dtype(operand_dtype)
-    passes = 1 + 1 + 2 * (1 if operand == jnp.float32 else 2)  # scores, recomputed z, dq and dk terms
+    passes = 1 + 2 * (1 if operand == jnp.float32 else 2)  # the scores; dq's and dk's terms
     read = b * s_p * (h * d_p * q.dtype.itemsize + 4 * h + 4 * 4 * k_p) + 4 * sg.CORES * b * rows * d_p
     written = b * s_p * (h * d_p * q.dtype.itemsize + 4 * h) + 4 * sg.CORES * b * acc_rows * d_p + 4 * b * nq * 8 * bq
     dq, dw, dk, stats = runtime.pallas_call(
@@ -150,7 +153,8 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
                    pl.BlockSpec((None, None, acc_rows, d_p), lambda c, bb, i: (c, bb, 0, 0)),
                    pl.BlockSpec((None, None, fused_kl.KL_STAT_ROWS, bq), lambda c, bb, i: (bb, c * half + i, 0, 0))),
         scratch_shapes=[pltpu.VMEM((bq, k_p // 8, 8, d_p), jnp.float32), pltpu.VMEM((bq, k_p), jnp.float32),
-                        pltpu.VMEM((bq, k_p), jnp.float32), pltpu.VMEM((k_p, d_p), jnp.float32)],
+                        pltpu.VMEM((bq, k_p), jnp.float32), pltpu.VMEM((k_p, d_p), jnp.float32),
+                        pltpu.VMEM((bq, h, k_p), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=passes * 2 * b * s_p * k_p * h * d_p, transcendentals=b * s_p * k_p,
