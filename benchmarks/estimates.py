@@ -38,6 +38,7 @@ COLUMNS = [("program", "program", "s"), ("seq", "S", "i"), ("status", "status", 
 def cases(seq: int, chunks, index_chunks=()) -> list:
     """(program label, pass, fn, input names); every fn takes the inputs of `harness.input_structs`."""
     import csa_pallas
+    from csa_pallas.kernels.student_gather import StudentGatherConfig
     from benchmarks import xla_baseline
     m, w = SHAPE.ratio, SHAPE.window
 
@@ -82,12 +83,13 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
         out.append((STUDENT_KERNELS, "fwd+bwd", student_kernels_loss, ["index_q", "index_k", "index_weights",
                                                                           "logits"]))
     if index_chunks:
-        def sparse_fused(iq, ik, iw, q, kv, topk):
-            # topk_indices come as [B, S, N] (every case's inputs share one width); the loss reads K = 512 of them.
-            return jax.value_and_grad(lambda *x: csa_pallas.fused_indexer_distill_loss(
-                *x, q, kv, topk_indices=topk[:, :, :SPARSE_K], compress_ratio=m, target="per_head"),
-                argnums=(0, 1, 2))(iq, ik, iw)
-        out.append((SPARSE_FUSED, "fwd+bwd", sparse_fused, student_names + ["topk_indices"]))
+        for label, student in ((SPARSE_FUSED, "auto"), (SPARSE_TWO_KERNELS, StudentGatherConfig(fuse_kl=False))):
+            def sparse_fused(iq, ik, iw, q, kv, topk, student=student):
+                # topk_indices come as [B, S, N] (every case's inputs share one width); the loss reads K = 512.
+                return jax.value_and_grad(lambda *x: csa_pallas.fused_indexer_distill_loss(
+                    *x, q, kv, topk_indices=topk[:, :, :SPARSE_K], compress_ratio=m, target="per_head",
+                    student=student), argnums=(0, 1, 2))(iq, ik, iw)
+            out.append((label, "fwd+bwd", sparse_fused, student_names + ["topk_indices"]))
     for c in index_chunks:
         def fused_student(iq, ik, iw, q, kv, c=c):
             return jax.value_and_grad(lambda *x: csa_pallas.fused_indexer_distill_loss(
@@ -114,6 +116,9 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
 SPARSE_K = 512
 SPARSE_FUSED = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K} (student gather kernels, "
                 f"default query chunks, topk_indices sliced from [B, S, N])")
+SPARSE_TWO_KERNELS = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K}, the student's two-kernel "
+                      f"route (StudentGatherConfig(fuse_kl=False): scores kernel, the teacher's fused KL, gradient "
+                      f"kernel)")
 FUSED_ONE_CHUNK = "fwd+bwd fused_indexer_distill_loss per_head (student kernels, one query chunk)"
 STUDENT_KERNELS = "fwd+bwd student kernels alone (default ids: causal schedule from the grid)"
 
