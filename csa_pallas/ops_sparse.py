@@ -147,8 +147,9 @@ def abstract_layout(q, compressed_kv, topk_indices, config=None, *, target: str 
 
 def normalize_slots(head_sum: jax.Array) -> jax.Array:
     """L1 normalisation of slot-order head sums, f32 [..., K_p]; negative entries (empty slots, possibly summed
-    over several shards) become `teacher.EMPTY_SLOT`."""
-    valid = head_sum >= 0.0
+    over several shards) become `teacher.EMPTY_SLOT`. A NaN entry (a row that read a non-finite input) is not
+    empty: it makes its row's total, so the whole row, NaN (SPEC §3), which the KL kernels read as visible."""
+    valid = jnp.logical_not(head_sum < 0.0)
     acc = jnp.where(valid, head_sum, 0.0)
     total = jnp.sum(acc, axis=-1, keepdims=True)
     return jnp.where(valid, acc / jnp.maximum(total, common.F32_TINY), teacher_kernel.EMPTY_SLOT)
@@ -305,7 +306,8 @@ def _kl_schedule(batch: int, s_p: int, k_p: int, block_q: int):
 
 
 def kl_rows(indexer_logits, target_padded, layout: SparseLayout):
-    """Per-row KL [B, S] over the K slots and the non-empty row mask [B, S] (validity read from P >= 0)."""
+    """Per-row KL [B, S] over the K slots and the non-empty row mask [B, S] (V(t): the slots where P is not
+    negative; NaN is visible)."""
     schedule, firsts, counts = _kl_schedule(indexer_logits.shape[0], layout.padded_seq, layout.padded_width,
                                             layout.cfg.block_q)
     return loss_vjp.padded_kl_rows(indexer_logits, target_padded, qmeta=None, kmeta=None, firsts=firsts, counts=counts,

@@ -66,7 +66,7 @@ SPARSE = Plan(
     kl_rows=ops_sparse.kl_rows,
     normalize=ops_sparse.normalize_slots,  # empty slots (negative sums) become EMPTY_SLOT
     padded_width=lambda layout: layout.padded_width,
-    valid_entries=lambda head_sum: head_sum >= 0.0,  # empty slots carry negative values
+    valid_entries=lambda head_sum: jnp.logical_not(head_sum < 0.0),  # empty slots carry negative values; NaN stays
     empty_value=selection.EMPTY_SLOT,
 )
 

@@ -6,6 +6,8 @@ argument.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,3 +135,22 @@ def test_signature_shows_the_teacher_arguments():
     params = inspect.signature(csa_pallas.sharded_fused_indexer_distill_loss).parameters
     assert list(params)[:6] == ["mesh", "index_q", "index_k", "index_weights", "q", "compressed_kv"]
     assert {"window_kv", "loss_mask", "target", "seq_axis", "student", "query_chunk"} <= set(params)
+
+
+@pytest.mark.parametrize("topk", [None, 5])
+def test_a_nan_query_row_is_nan_on_a_head_sharded_mesh(topk):
+    """SPEC §3: a NaN in one query row makes exactly that row's KL NaN, as in the unsharded fused op (the sparse
+    head sums reduce-scattered over the head axis once read the NaN slots as empty and the row as a finite 0)."""
+    axes = {"data": 2, "heads": 2}
+    c, kw = _case(0, topk=topk)
+    q = c["q"].at[0, 20, 1, 3].set(jnp.nan)
+    run = lambda fn, *extra: jax.jit(lambda iq, ik, iw: fn(*extra, iq, ik, iw, q, c["compressed_kv"], **kw,
+                                                          reduction="none"), compiler_options=FAST)(
+        c["index_q"], c["index_k"], c["index_weights"])
+    rows = run(functools.partial(sharded_student.sharded_fused_indexer_distill_loss, **axis_kwargs(axes)),
+               mesh_of(axes))
+    want = run(csa_pallas.fused_indexer_distill_loss)
+    nan = np.isnan(np.asarray(rows))
+    assert nan[0, 20] and nan.sum() == 1
+    np.testing.assert_array_equal(nan, np.isnan(np.asarray(want)))
+    np.testing.assert_allclose(np.asarray(rows)[~nan], np.asarray(want)[~nan], rtol=1e-5, atol=1e-6)

@@ -234,3 +234,22 @@ def test_mesh_axes_the_loss_does_not_use_replicate_without_double_counting():
     ref_value, ref_grad, _ = reference_results(logits, arrays, teacher)
     np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), atol=1e-5 * float(jnp.max(jnp.abs(ref_grad))))
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_nan_query_row_is_nan_on_a_head_sharded_mesh(sparse):
+    """SPEC §3 under head sharding: a NaN in one query row makes exactly that row's KL NaN (reduction="none"),
+    the others equal to the unsharded reference. The reduce-scattered sparse head sums once read the NaN slots as
+    empty (`ops_sparse.normalize_slots`), so the row dropped out of the loss as a finite 0."""
+    axes = {"data": 2, "heads": 4}
+    logits, arrays, teacher = inputs(5, sparse=sparse, target="per_head", packed=False)
+    arrays = dict(arrays, q=arrays["q"].at[0, 20, 1, 3].set(jnp.nan))
+    mesh = mesh_of(axes)
+    rows = jax.jit(lambda x: sharding.sharded_indexer_distill_loss(
+        mesh, x, arrays["q"], arrays["compressed_kv"], reduction="none", **axis_kwargs(axes), **teacher))(logits)
+    want = csa_pallas.indexer_distill_loss(logits, arrays["q"], arrays["compressed_kv"], reduction="none",
+                                           implementation="xla", **teacher)
+    nan = np.isnan(np.asarray(rows))
+    assert nan[0, 20] and nan.sum() == 1
+    np.testing.assert_array_equal(nan, np.isnan(np.asarray(want)))
+    np.testing.assert_allclose(np.asarray(rows)[~nan], np.asarray(want)[~nan], rtol=1e-5, atol=1e-6)
