@@ -64,7 +64,7 @@ def default_query_chunk(problem: Problem, index_head_chunk: int, index_dim: int 
     54, 91, 164 MiB at 128, 256, 512, 1024 rows). Sparse mode adds the XLA student's gathered keys,
     [chunk, K, d_I] f32 and their cotangent plus a bf16 copy (index_dim = d_I); with the sparse student kernels
     ~9 bytes per index_q element instead (its padded copy and dq; S = 32K, K = 512, H_I = 64, d_I = 128: temp
-    32.8 / 64.9 / 87.1 MiB at 256 / 512 / 1024 rows, static estimate 45.9 / 46.0 / 45.9 ms)."""
+    20.8 / 32.9 / 85.3 MiB at 256 / 512 / 1024 rows, static estimate 45.9 / 46.0 / 45.5 ms)."""
     s, n = problem.seq_len, max(problem.width, 1)
     per_row = 4 * n * (5 if student_kernels else 2 * index_head_chunk + 10)
     if problem.sparse:

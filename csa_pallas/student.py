@@ -67,12 +67,15 @@ def validate_student(index_q, index_k, index_weights, *, batch: Optional[int] = 
 
 def _selected_keys(student: Student, problem: Problem, matmul: str) -> jax.Array:
     """The keys each score is taken against: [B, N, d_I] (dense), or [B, S, K, d_I] gathered per slot (sparse;
-    an empty slot reads block 0 and is masked by V(t))."""
+    a slot outside V(t) gets a zero row, so a non-finite index_k row it does not see never meets its zero
+    cotangent in a product: only the rows that select a non-finite block see it, as in the gather kernels)."""
+    from csa_pallas import ops_sparse
     keys = student.index_k.astype(_compute_dtype(student, matmul))
     if not problem.sparse:
         return keys
     idx = jnp.clip(problem.topk_indices, 0, max(problem.num_blocks - 1, 0))
-    return jax.vmap(lambda k, i: k[i])(keys, idx)
+    rows = jax.vmap(lambda k, i: k[i])(keys, idx)
+    return jnp.where(ops_sparse.slot_validity(problem)[..., None], rows, jnp.zeros((), rows.dtype))
 
 
 MATMULS = ("exact", "native")

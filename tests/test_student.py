@@ -436,3 +436,40 @@ def test_sparse_chunks_of_default_ids_take_the_prefix_validity(monkeypatch):
         raise AssertionError("slot_visible: the chunks of default ids should not gather block metadata")
     monkeypatch.setattr(masks, "slot_visible", no_gathers)
     _check(c, kw, "per_head", implementation="pallas", reduction="sum", query_chunk=16)
+
+
+@pytest.mark.parametrize("student", ["auto", StudentGatherConfig(fuse_kl=False), "xla"])
+def test_a_non_finite_index_k_block_reaches_exactly_the_rows_that_select_it(student):
+    """SPEC §3-§4 on the student's side, sparse mode: a NaN index_k block makes NaN exactly the rows that select it
+    inside V(t) (their KL and gradients, and dk of the blocks they see). A slot selecting it outside V(t) (a future
+    block) and the empty slots that read it through the index mask (N a power of two) change nothing: they once
+    made d index_q NaN through 0 * NaN in the products. The kernels' d index_q / d index_k equal the reference's,
+    NaN pattern included; d index_weights on the other rows too."""
+    c, kw = make_student_case(3, seq=64, topk=6, loss_mask=True)
+    n = c["index_k"].shape[1]  # 16 blocks, a power of two: a masked index reads the last block
+    idx = np.array(kw["topk_indices"])
+    mask = np.asarray(kw["loss_mask"]).copy()
+    unseen, seen = n - 1, 6  # block 15 is visible only to t = 63 (masked out); block 6 from t = 27 on
+    idx[0, 10, 0] = unseen  # a future block: outside V(10)
+    idx[0, 40, 2], idx[0, 50, 3] = seen, seen
+    mask[0, 40] = mask[0, 50] = True
+    mask[0, 63] = False
+    idx[0, 30:40] = np.where(idx[0, 30:40] == seen, -1, idx[0, 30:40])  # rows 30-39 do not select it
+    c = dict(c, index_k=c["index_k"].at[0, unseen].set(jnp.nan).at[0, seen].set(jnp.nan))
+    kw = dict(kw, topk_indices=jnp.asarray(idx), loss_mask=jnp.asarray(mask))
+    rows = np.asarray(csa_pallas.fused_indexer_distill_loss(
+        *[c[k] for k in ("index_q", "index_k", "index_weights", "q", "compressed_kv")], **kw, target="per_head",
+        reduction="none", implementation="xla"))[0]
+    readers = np.isnan(rows)
+    assert readers[40] and readers[50] and not readers[30:40].any() and not readers[10]
+    want = _loss_and_grads(c, kw, target="per_head", reduction="sum", implementation="xla")
+    got = _loss_and_grads(c, kw, target="per_head", reduction="sum", implementation="pallas", student=student)
+    assert np.isnan(float(got[0])) and np.isnan(float(want[0]))
+    (dq, dk, dw), (want_dq, want_dk, want_dw) = ([np.asarray(x, np.float64) for x in g] for g in (got[1], want[1]))
+    for name, a, b in (("index_q", dq, want_dq), ("index_k", dk, want_dk),
+                       ("index_weights", dw[:, ~readers], want_dw[:, ~readers])):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
+        np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=0,
+                                   atol=1e-6 * np.max(np.abs(np.nan_to_num(b))), err_msg=name)
+    assert np.all(np.isnan(dq[0, readers]).any(axis=(1, 2))) and np.all(np.isfinite(dq[0, ~readers]))
+    assert np.all(np.isfinite(dw[0, ~readers]))  # (a reader's dw: NaN where a head's ReLU is active, see README)

@@ -46,6 +46,10 @@ CORES = common.MEGACORE  # the backward's dk partial sums: one per TensorCore
 # Slots per batched read-modify-write of dk (static v5p estimates per slot row: 4.2 cycles one at a time, 2.9 in
 # groups of 8, 2.5 of 16, 4.2 of 32, whose rows no longer fit the registers).
 SCATTER_GROUP = 16
+# Zero rows past the R resident keys (one sublane tile): a slot that takes no part (empty, out of range, future, a
+# masked or empty row, padding) reads row R in the gradient pass, so a non-finite index_k row it does not see never
+# meets its zero cotangent in a product (0 * NaN), and its read-modify-write goes to a discarded row.
+ZERO_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +78,7 @@ def vmem_bytes(cfg: StudentGatherConfig, *, num_blocks: int, heads: int, head_di
     [block_q, K_p] scores, G, P' and counts and its [block_q, H_I, K_p] products."""
     rows, d_p = sparse_gather.resident_row_count(num_blocks), common.round_up(head_dim, 128)
     k_p, bq = width, cfg.block_q
-    resident = (3 * rows + 2 * SCATTER_GROUP) * d_p * 4  # the keys; dk's accumulator, double-buffered
+    resident = (3 * rows + ZERO_ROWS + 2 * SCATTER_GROUP) * d_p * 4  # the keys; dk's accumulator, double-buffered
     blocks = 2 * bq * (2 * heads * d_p * 4 + 2 * heads * 4 + 2 * k_p * 4)
     fused = (bq - 1) * k_p * d_p * 4 + 6 * bq * k_p * 4 + bq * heads * k_p * 4 if cfg.fuse_kl else 0
     return resident + blocks + 2 * k_p * d_p * 4 + 8 * heads * k_p * 4 + 4 * k_p * d_p * 4 + fused
@@ -146,7 +150,7 @@ def _grads_kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, g_ref, dq_ref, dw
 
 
 def _scatter_plan(idx, g, rows: int):
-    """The backward's dk targets and cotangent: idx int32 [n, K_p] (the rows the slots read, in [0, R)), g f32
+    """The backward's dk targets and cotangent: idx int32 [n, K_p] (the rows the slots read, in [0, R]), g f32
     [n, K_p] (their cotangent)
     -> (targets int32 [n, K_p], g' f32 [n, K_p]). Within each group of SCATTER_GROUP slots of a query, the first
     slot reading a row takes the summed cotangent of every slot of the group reading it and keeps the row as its
@@ -172,7 +176,7 @@ class _Static:
     width: int  # K_p: a multiple of 128
     heads: int
     head_dim: int  # d_p
-    resident_rows: int  # R
+    resident_rows: int  # R (the keys have R + ZERO_ROWS rows)
     operand_dtype: object
     interpret: object
 
@@ -188,7 +192,7 @@ class _Static:
         flops = passes * 2 * b * s * k * h * d
         # index_q, index_weights, the slot arrays, the resident keys per fetch (the gathered rows are VMEM, not HBM)
         read = (b * (s * h * d * q_itemsize + 4 * s * h + 4 * slot_arrays * s * k)
-                + 4 * key_fetches * self.resident_rows * d)
+                + 4 * key_fetches * (self.resident_rows + ZERO_ROWS) * d)
         return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=read + written)
 
 
@@ -207,7 +211,7 @@ def _forward(st: _Static, idx, q, w, keys):
         out_shape=jax.ShapeDtypeStruct((st.batch * st.padded_rows, st.width), jnp.float32),
         grid=(st.batch * st.nq,),
         in_specs=_query_specs(st, tile) + [
-            pl.BlockSpec((None, st.resident_rows, st.head_dim), lambda p: (batch_of(p), 0, 0),
+            pl.BlockSpec((None, st.resident_rows + ZERO_ROWS, st.head_dim), lambda p: (batch_of(p), 0, 0),
                          pipeline_mode=pl.Buffered(1))],
         out_specs=pl.BlockSpec((bq, st.width), lambda p: (p, 0)),
         scratch_shapes=[pltpu.VMEM((st.width // 8, 8, st.head_dim), jnp.float32)],
@@ -227,6 +231,8 @@ def _backward(st: _Static, idx, q, w, keys, g):
     acc_rows = st.resident_rows + SCATTER_GROUP  # the resident rows and the discarded targets of `_scatter_plan`
     passes = 1 + 2 * (1 if st.operand_dtype == jnp.float32 else 2)
     written = b * (s * h * d * q.dtype.itemsize + 4 * s * h) + 4 * CORES * b * acc_rows * d
+    # A slot with a zero cotangent (every slot outside V(t)) reads a zero row: exact, as it contributes nothing.
+    idx = jnp.where(g != 0.0, idx, st.resident_rows)
     targets, g = _scatter_plan(idx, g, st.resident_rows)
     query = _query_specs(st, tile)  # query[0]: a [bq, K_p] SMEM block, the slots' rows and their targets alike
     dq, dw, dk = runtime.pallas_call(
@@ -235,7 +241,8 @@ def _backward(st: _Static, idx, q, w, keys, g):
                    jax.ShapeDtypeStruct((CORES, b, acc_rows, d), jnp.float32)),
         grid=(CORES, b, half),
         in_specs=[query[0], query[0]] + query[1:] + [
-            pl.BlockSpec((None, st.resident_rows, d), lambda c, bb, i: (bb, 0, 0), pipeline_mode=pl.Buffered(1)),
+            pl.BlockSpec((None, st.resident_rows + ZERO_ROWS, d), lambda c, bb, i: (bb, 0, 0),
+                         pipeline_mode=pl.Buffered(1)),
             pl.BlockSpec((bq, st.width), lambda *g_: (tile(*g_), 0))],
         out_specs=(pl.BlockSpec((bq, h, d), lambda *g_: (tile(*g_), 0, 0)),
                    pl.BlockSpec((bq, h), lambda *g_: (tile(*g_), 0)),
@@ -247,7 +254,8 @@ def _backward(st: _Static, idx, q, w, keys, g):
         interpret=st.interpret,
         name=f"csa_student_gather_grads_bq{bq}",
     )(idx, targets, q, w, keys, g)
-    return dq, dw, jnp.sum(dk[:, :, :st.resident_rows], axis=0)
+    dk = jnp.sum(dk[:, :, :st.resident_rows], axis=0)
+    return dq, dw, jnp.pad(dk, ((0, 0), (0, ZERO_ROWS), (0, 0)))  # the zero rows' cotangent: 0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -269,11 +277,11 @@ _scores.defvjp(_scores_fwd, _scores_bwd)
 
 
 def resident_keys(index_k) -> jax.Array:
-    """index_k float [B, N, d_I] -> the kernels' resident keys, f32 [B, R, d_p] (R = a power of two >= N, d_p = d_I
-    rounded up to 128; zeros past N and d_I): an exact upcast, the differentiable side (its cotangent sums over
-    query chunks in f32). A caller scoring many query chunks prepares it once."""
+    """index_k float [B, N, d_I] -> the kernels' resident keys, f32 [B, R + ZERO_ROWS, d_p] (R = a power of two >=
+    N, d_p = d_I rounded up to 128; zeros past N and d_I): an exact upcast, the differentiable side (its cotangent
+    sums over query chunks in f32). A caller scoring many query chunks prepares it once."""
     _, n, d = index_k.shape
-    rows = sparse_gather.resident_row_count(n)
+    rows = sparse_gather.resident_row_count(n) + ZERO_ROWS
     return jnp.pad(index_k.astype(jnp.float32), ((0, 0), (0, rows - n), (0, common.round_up(d, 128) - d)))
 
 
@@ -288,11 +296,12 @@ def scores(index_q, keys, index_weights, topk_indices, operand_dtype, cfg: Stude
     caller masks); differentiable wrt index_q, the resident keys and index_weights (a slot's cotangent lands on
     the row it read, so an invalid slot must get a zero cotangent, as the loss gives it).
 
-    index_q float [B, S, H_I, d_I]; keys f32 [B, R, d_p] (`resident_keys`); index_weights float [B, S, H_I];
+    index_q float [B, S, H_I, d_I]; keys f32 [B, R + ZERO_ROWS, d_p] (`resident_keys`); index_weights float
+    [B, S, H_I];
     topk_indices int [B, S, K]; operand_dtype: the MXU operands (`student_scores.operand_dtype`)."""
     b, s, h, d = index_q.shape
     k = topk_indices.shape[2]
-    rows, d_p = keys.shape[1:]
+    rows, d_p = keys.shape[1] - ZERO_ROWS, keys.shape[2]
     if cfg is None:
         cfg = StudentGatherConfig()
     s_p, k_p = common.round_up(s, CORES * cfg.block_q), common.round_up(k, 128)

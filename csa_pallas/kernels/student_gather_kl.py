@@ -110,12 +110,13 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     student's scores over the selection (`student_gather.scores`). Not differentiable (the caller's custom_vjp
     scales the gradients by the loss's cotangent).
 
-    index_q float [B, S, H_I, d_I]; keys f32 [B, R, d_p] (`student_gather.resident_keys`); index_weights float
+    index_q float [B, S, H_I, d_I]; keys f32 [B, R + ZERO_ROWS, d_p] (`student_gather.resident_keys`); index_weights
     [B, S, H_I]; topk_indices int [B, S, K]; target f32 [B, S_t, K_t] (S_t >= S, K_t >= K: the teacher's padded
-    P', -1 on empty slots and past S and K); gradients: index_q's dtype, f32 [B, R, d_p], f32 [B, S, H_I]."""
+    P', -1 on empty slots and past S and K); gradients: index_q's dtype, f32 [B, R + ZERO_ROWS, d_p], f32
+    [B, S, H_I]."""
     b, s, h, d = index_q.shape
     k = topk_indices.shape[2]
-    rows, d_p = keys.shape[1:]
+    rows, d_p = keys.shape[1] - sg.ZERO_ROWS, keys.shape[2]
     cfg = sg.StudentGatherConfig() if cfg is None else cfg
     bq = cfg.block_q
     s_p, k_p = common.round_up(s, sg.CORES * bq), common.round_up(k, 128)
@@ -124,10 +125,13 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     q = jnp.pad(index_q.astype(q_dtype), ((0, 0), (0, s_p - s), (0, 0), (0, d_p - d))).reshape(b * s_p, h, d_p)
     w = jnp.pad(index_weights.astype(jnp.float32), ((0, 0), (0, s_p - s), (0, 0))).reshape(b * s_p, h)
     idx = jnp.pad(topk_indices.astype(jnp.int32), ((0, 0), (0, s_p - s), (0, k_p - k)), constant_values=-1)
-    idx = (idx & (rows - 1)).reshape(b * s_p, k_p)
     p = jnp.pad(target[:, :s, :k].astype(jnp.float32), ((0, 0), (0, s_p - s), (0, k_p - k)),
                 constant_values=-1.0).reshape(b * s_p, k_p)
-    targets, counts = fold_plan(idx, jnp.logical_not(p < 0.0), rows)
+    valid = jnp.logical_not(p < 0.0)
+    # A slot outside V(t) reads the zero row R (`student_gather.ZERO_ROWS`): a non-finite index_k row it does not
+    # see never meets its zero G in a product.
+    idx = jnp.where(valid, idx.reshape(b * s_p, k_p) & (rows - 1), rows)
+    targets, counts = fold_plan(idx, valid, rows)
     kl = fused_kl.FusedKL(emit_gradient=True, seq_len=s, grad_scale=grad_scale)
     acc_rows = rows + sg.SCATTER_GROUP
     tile = lambda c, bb, i: bb * nq + c * half + i
@@ -135,7 +139,8 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     slot_values = pl.BlockSpec((bq, k_p), lambda *g: (tile(*g), 0))
     operand = jnp.dtype(operand_dtype)
     passes = 1 + 2 * (1 if operand == jnp.float32 else 2)  # the scores; dq's and dk's terms
-    read = b * s_p * (h * d_p * q.dtype.itemsize + 4 * h + 4 * 4 * k_p) + 4 * sg.CORES * b * rows * d_p
+    read = (b * s_p * (h * d_p * q.dtype.itemsize + 4 * h + 4 * 4 * k_p)
+            + 4 * sg.CORES * b * (rows + sg.ZERO_ROWS) * d_p)
     written = b * s_p * (h * d_p * q.dtype.itemsize + 4 * h) + 4 * sg.CORES * b * acc_rows * d_p + 4 * b * nq * 8 * bq
     dq, dw, dk, stats = runtime.pallas_call(
         functools.partial(_kernel, operand=operand, kl=kl),
@@ -146,7 +151,8 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
         in_specs=[slots, slots,
                   pl.BlockSpec((bq, h, d_p), lambda *g: (tile(*g), 0, 0)),
                   pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
-                  pl.BlockSpec((None, rows, d_p), lambda c, bb, i: (bb, 0, 0), pipeline_mode=pl.Buffered(1)),
+                  pl.BlockSpec((None, rows + sg.ZERO_ROWS, d_p), lambda c, bb, i: (bb, 0, 0),
+                               pipeline_mode=pl.Buffered(1)),
                   slot_values, slot_values],
         out_specs=(pl.BlockSpec((bq, h, d_p), lambda *g: (tile(*g), 0, 0)),
                    pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
@@ -166,4 +172,5 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     nonempty = stats[:, :, 3, :].reshape(b, s_p)[:, :s] > 0
     dq = dq.reshape(b, s_p, h, d_p)[:, :s, :, :d].astype(index_q.dtype)
     dw = dw.reshape(b, s_p, h)[:, :s]
-    return kl_rows, nonempty, (dq, jnp.sum(dk[:, :, :rows], axis=0), dw)
+    dk = jnp.pad(jnp.sum(dk[:, :, :rows], axis=0), ((0, 0), (0, sg.ZERO_ROWS), (0, 0)))
+    return kl_rows, nonempty, (dq, dk, dw)
