@@ -6,8 +6,11 @@ Inside `jax.shard_map`, per device:
   * no head axis: the shard's queries against every key through `fused_student` (query chunks, the student kernels,
     the gradient in the forward pass for scalar reductions), so no [B, S, N] array exists on any device;
   * head axis: the teacher's head sums are reduce-scattered as in `sharding._local_target` (each head shard owns
-    1/n_heads of the shard's rows, normalised there); the device scores its owned rows with the student (kernels
-    in dense mode, else XLA) and takes their KL from that P, as the plain sharded loss does with given logits.
+    1/n_heads of the shard's rows, normalised there); the device scores its owned rows with the student (its
+    kernels, or XLA where they do not fit) and takes their KL from that P, as the plain sharded loss does with
+    given logits; sparse mode with a scalar reduction instead runs one gather kernel per query tile for the
+    scores, the KL against that P and the gradients, taken in the forward pass (`student_gather_kl`,
+    `StudentGatherConfig.fuse_kl`).
 Each device returns its sum_t KL_t (or its rows, for reduction="none") and its non-empty rows; the reduction is
 global, in XLA (the plain op's mean over the non-empty rows of the whole batch). index_k enters replicated over
 the sequence and head axes, index_q / index_weights over the head axis: shard_map's transpose sums their
@@ -16,6 +19,7 @@ cotangents over those axes.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -25,7 +29,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from csa_pallas import api, fused_student, placement, reference, sharding, student as student_lib
 from csa_pallas import teacher_args, validation
-from csa_pallas.kernels import student_gather, student_scores
+from csa_pallas.kernels import student_gather, student_gather_kl, student_scores
 
 
 def _owned_rows_scores(st: student_lib.Student, rows_problem, start, student):
@@ -43,6 +47,49 @@ def _owned_rows_scores(st: student_lib.Student, rows_problem, start, student):
     _, block_end = reference.block_keys(rows_problem)
     return student_scores.scores(owned.index_q, owned.index_k, owned.index_weights, rows_problem.positions,
                                  block_end, forced)
+
+
+def _owned_gather_config(st: student_lib.Student, rows_problem, student):
+    """The gather kernels' config when the owned rows' gradient pass takes the one-kernel route, else None."""
+    if not rows_problem.sparse:
+        return None
+    use_kernels, forced = fused_student.resolve_student(student, rows_problem, st.index_q.shape)
+    cfg = (forced or fused_student.gather_config(rows_problem, st.index_q.shape)) if use_kernels else None
+    return cfg if cfg is not None and cfg.fuse_kl else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _owned_kl_total(cfg, operand, index_q, keys, index_weights, topk_indices, target):
+    """(sum_t KL_t f32 scalar, non-empty rows bool [B, rows]) of the owned rows against their target P (padded,
+    -1 on empty slots); differentiable wrt index_q [B, rows, H_I, d_I], the resident keys and index_weights, the
+    gradient taken in the forward pass (`student_gather_kl.loss_and_grads`)."""
+    kl, nonempty, _ = student_gather_kl.loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand,
+                                                       cfg)
+    return jnp.sum(kl), nonempty
+
+
+def _owned_kl_total_fwd(cfg, operand, index_q, keys, index_weights, topk_indices, target):
+    kl, nonempty, grads = student_gather_kl.loss_and_grads(index_q, keys, index_weights, topk_indices, target,
+                                                           operand, cfg)
+    return (jnp.sum(kl), nonempty), (grads, jnp.zeros((), index_weights.dtype))  # (its dtype travels as a scalar)
+
+
+def _owned_kl_total_bwd(cfg, operand, residuals, cotangents):
+    (dq, dk, dw), w_like = residuals
+    ct = cotangents[0]
+    return ((ct * dq.astype(jnp.float32)).astype(dq.dtype), ct * dk, (ct * dw).astype(w_like.dtype), None, None)
+
+
+_owned_kl_total.defvjp(_owned_kl_total_fwd, _owned_kl_total_bwd)
+
+
+def _owned_rows_kl_total(st: student_lib.Student, rows_problem, start, cfg, target):
+    """`_owned_kl_total` of the rows a head shard owns, from the device's whole student."""
+    rows = rows_problem.seq_len
+    take = lambda x: lax.dynamic_slice_in_dim(x, start, rows, axis=1)
+    operand = student_scores.operand_dtype(st.index_q.dtype, st.index_k.dtype)
+    return _owned_kl_total(cfg, operand, take(st.index_q), student_gather.resident_keys(st.index_k),
+                           take(st.index_weights), rows_problem.topk_indices, target)
 
 
 @teacher_args.takes_teacher_args
@@ -105,6 +152,10 @@ def sharded_fused_indexer_distill_loss(
         target, layout, plan, rows_problem = sharding._local_target(local, problem, axes, num_seq_shards,
                                                                     num_head_shards)
         start = lax.axis_index(axes.heads) * rows_problem.seq_len
+        one_kernel = None if per_row else _owned_gather_config(local_st, rows_problem, student)
+        if one_kernel is not None:
+            total, nonempty = _owned_rows_kl_total(local_st, rows_problem, start, one_kernel, target)
+            return total.reshape(1, 1), nonempty
         logits = _owned_rows_scores(local_st, rows_problem, start, student)
         kl, nonempty = plan.kl_rows(logits, target, layout)
         return (kl, nonempty) if per_row else (jnp.sum(kl).reshape(1, 1), nonempty)

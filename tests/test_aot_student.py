@@ -155,6 +155,28 @@ def test_sharded_fused_op_compiles_on_a_v5p_slice(axes, batch, temp_mib):
     assert 0 < aot.memory_report(compiled).temp_bytes <= temp_mib * MiB
 
 
+def test_head_sharded_sparse_fused_op_compiles_with_the_one_kernel_gradient_pass():
+    """Sparse K = 512 at S = 4096 on v5p:2x2x2 with data 2 x heads 4: each head shard's owned rows run
+    `student_gather_kl` (scores, KL against the reduce-scattered P, gradients) inside shard_map."""
+    require_libtpu()
+    from jax.sharding import PartitionSpec as P
+    seq, k, topology, axes = 4096, 512, "v5p:2x2x2", {"data": 2, "heads": 4}
+    n = seq // 4
+    mesh = aot.tpu_mesh(topology, axes)
+    st = lambda shape, spec, dtype=jnp.bfloat16: aot.sharded_struct(shape, dtype, mesh, spec)
+
+    def program(iq, ik, iw, q, kv, topk):
+        loss = lambda *x: csa_pallas.sharded_fused_indexer_distill_loss(
+            mesh, *x, q, kv, topk_indices=topk, batch_axes=("data",), head_axis="heads", target="per_head")
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(iq, ik, iw)
+    compiled = aot.compile_for_tpu(
+        program, st((2, seq, H_I, D_I), P("data", None, None, None)), st((2, n, D_I), P("data", None, None)),
+        st((2, seq, H_I), P("data", None, None)), st((2, seq, H, D), P("data", None, "heads", None)),
+        st((2, n, D), P("data", None, None)), st((2, seq, k), P("data", None, None), jnp.int32), topology=topology)
+    text = compiled.as_text()
+    assert "csa_student_gather_kl_grads" in text and "csa_student_gather_scores" not in text
+
+
 @pytest.mark.parametrize("q_dtype, k_dtype, config", [
     (jnp.bfloat16, jnp.bfloat16, None), (jnp.float32, jnp.float32, None),
     (jnp.bfloat16, jnp.float32, None),  # bf16 queries, f32 operands

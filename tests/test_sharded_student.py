@@ -154,3 +154,19 @@ def test_a_nan_query_row_is_nan_on_a_head_sharded_mesh(topk):
     assert nan[0, 20] and nan.sum() == 1
     np.testing.assert_array_equal(nan, np.isnan(np.asarray(want)))
     np.testing.assert_allclose(np.asarray(rows)[~nan], np.asarray(want)[~nan], rtol=1e-5, atol=1e-6)
+
+
+def test_head_shards_take_the_one_kernel_gradient_pass_for_scalar_reductions():
+    """Sparse mode with a head axis: "sum" runs the owned rows through `student_gather_kl` (scores, KL and
+    gradients in one kernel); "none" keeps the scores kernel and the stand-alone KL."""
+    axes = {"data": 2, "heads": 2}
+    c, kw = _case(0, topk=5)
+    mesh = mesh_of(axes)
+
+    def kernels(reduction):
+        loss = lambda iq, ik, iw: jnp.sum(sharded_student.sharded_fused_indexer_distill_loss(
+            mesh, iq, ik, iw, c["q"], c["compressed_kv"], **kw, **axis_kwargs(axes), reduction=reduction))
+        text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(c["index_q"], c["index_k"], c["index_weights"]))
+        return {name for name in ("csa_student_gather_kl_grads", "csa_student_gather_scores") if name in text}
+    assert kernels("sum") == {"csa_student_gather_kl_grads"}
+    assert kernels("none") == {"csa_student_gather_scores"}

@@ -65,7 +65,7 @@ def _compare(c, cfg=None):
         assert np.max(np.abs(a - b)) <= tol * max(np.max(np.abs(b)), 1e-30), name
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)  # test_student_gather_kl draws the same gathers again
 @given(seed=st.integers(0, 10_000), batch=st.integers(1, 2), seq=st.integers(1, 40), blocks=st.integers(1, 40),
        width=st.integers(1, 140), heads=st.integers(1, 5), dim=st.sampled_from([16, 24, 128]), bf16=st.booleans())
 def test_drawn_shapes_match_an_xla_gather(seed, batch, seq, blocks, width, heads, dim, bf16):
