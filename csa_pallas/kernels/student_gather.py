@@ -96,7 +96,7 @@ def default_config(*, num_blocks: int, heads: int, head_dim: int, width: int,
                                                           max(32 * common.MiB, int(need * 1.2))))
 
 
-def _gathered_rows(idx_ref, t, keys_ref, stage_ref, operand):
+def gathered_rows(idx_ref, t, keys_ref, stage_ref, operand):
     """Query t's K_p selected rows, [K_p, d_p] in the operand dtype: unrolled single-row loads into static staging
     rows. The rows arrive already masked to [0, R) (`scores`): the scalar unit bounds these loads, and the mask's
     one op per slot cost ~0.5 cycles of the 2.15 per row (static v5p estimates)."""
@@ -106,9 +106,20 @@ def _gathered_rows(idx_ref, t, keys_ref, stage_ref, operand):
     return stage_ref[...].reshape(width, keys_ref.shape[1]).astype(operand)
 
 
+def add_rows_to_targets(target_ref, t, rows_ref, acc_ref):
+    """acc[target[t, k]] += rows[k] for every slot k of query t: SCATTER_GROUP rows are loaded, then stored (the
+    targets are distinct within a group, `_scatter_plan`), so the stores do not wait on possibly aliasing loads
+    one slot at a time."""
+    for start in range(0, target_ref.shape[1], SCATTER_GROUP):
+        targets = [target_ref[t, start + e] for e in range(SCATTER_GROUP)]
+        old = [acc_ref[pl.ds(r, 1), :] for r in targets]
+        for e, r in enumerate(targets):
+            acc_ref[pl.ds(r, 1), :] = old[e] + rows_ref[pl.ds(start + e, 1), :]
+
+
 def _scores_kernel(idx_ref, q_ref, w_ref, keys_ref, out_ref, stage_ref, *, operand):
     def per_query(t, carry):
-        rows = _gathered_rows(idx_ref, t, keys_ref, stage_ref, operand)
+        rows = gathered_rows(idx_ref, t, keys_ref, stage_ref, operand)
         z = common.exact_dot(q_ref[t].astype(operand), rows, NT)  # [H_I, K_p]
         w = common.rows_to_column(w_ref[pl.ds(t, 1), :])  # [H_I, 1]
         out_ref[pl.ds(t, 1), :] = jnp.sum(w * jnp.maximum(z, 0.0), axis=0, keepdims=True)
@@ -123,10 +134,8 @@ def _grads_kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, g_ref, dq_ref, dw
     def _():
         dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
 
-    width = idx_ref.shape[1]
-
     def per_query(t, carry):
-        rows = _gathered_rows(idx_ref, t, keys_ref, stage_ref, operand)
+        rows = gathered_rows(idx_ref, t, keys_ref, stage_ref, operand)
         q = q_ref[t].astype(operand)
         z = common.exact_dot(q, rows, NT)  # [H_I, K_p]
         positive = z > 0.0  # ReLU'(0) = 0 (SPEC §8)
@@ -137,13 +146,7 @@ def _grads_kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, g_ref, dq_ref, dw
         terms = common.hi_lo_terms(jnp.where(positive, w * g, 0.0), operand)
         dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
         dk_rows_ref[...] = sum(common.exact_dot(x, q, TN) for x in terms)  # [K_p, d_p]
-        # dk: a group's SCATTER_GROUP rows are loaded, then stored (the targets are distinct within a group,
-        # `_scatter_plan`), so the stores do not wait on possibly aliasing loads one slot at a time.
-        for start in range(0, width, SCATTER_GROUP):
-            targets = [target_ref[t, start + e] for e in range(SCATTER_GROUP)]
-            old = [dk_ref[pl.ds(r, 1), :] for r in targets]
-            for e, r in enumerate(targets):
-                dk_ref[pl.ds(r, 1), :] = old[e] + dk_rows_ref[pl.ds(start + e, 1), :]
+        add_rows_to_targets(target_ref, t, dk_rows_ref, dk_ref)
         return carry
 
     lax.fori_loop(0, dq_ref.shape[0], per_query, 0)

@@ -37,7 +37,7 @@ from csa_pallas.kernels.common import NN, NT, TN
 
 
 def fold_plan(idx, valid, rows: int):
-    """idx int32 [n, K_p] (the rows the slots read, in [0, R)), valid bool [n, K_p] (the slot is in V(t))
+    """idx int32 [n, K_p] (the rows the slots read, in [0, R]), valid bool [n, K_p] (the slot is in V(t))
     -> (targets int32 [n, K_p], counts f32 [n, K_p]). Within each group of SCATTER_GROUP slots, the first valid
     slot reading a row keeps it as its target with the number of valid slots of the group reading it; every other
     slot (an invalid one, or a later duplicate) gets count 0 and a discarded row of its own (R + its lane)."""
@@ -67,7 +67,7 @@ def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_re
         return stage_ref[t].reshape(width, d_p).astype(operand)
 
     def score(t, carry):  # phase 1: gather once (into the query's own staging rows), score
-        rows = sg._gathered_rows(idx_ref, t, keys_ref, stage_ref.at[t], operand)
+        rows = sg.gathered_rows(idx_ref, t, keys_ref, stage_ref.at[t], operand)
         z = common.exact_dot(q_ref[t].astype(operand), rows, NT)  # [H_I, K_p]
         z_ref[t] = z
         w = common.rows_to_column(w_ref[pl.ds(t, 1), :])
@@ -93,11 +93,7 @@ def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_re
         dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
         folded = common.hi_lo_terms(jnp.where(positive, w * (g * count_ref[pl.ds(t, 1), :]), 0.0), operand)
         dk_rows_ref[...] = sum(common.exact_dot(x, q, TN) for x in folded)  # [K_p, d_p]
-        for start in range(0, width, sg.SCATTER_GROUP):  # as `student_gather._grads_kernel`
-            targets = [target_ref[t, start + e] for e in range(sg.SCATTER_GROUP)]
-            old = [dk_ref[pl.ds(r, 1), :] for r in targets]
-            for e, r in enumerate(targets):
-                dk_ref[pl.ds(r, 1), :] = old[e] + dk_rows_ref[pl.ds(start + e, 1), :]
+        sg.add_rows_to_targets(target_ref, t, dk_rows_ref, dk_ref)  # distinct targets per group: `fold_plan`
         return carry
 
     lax.fori_loop(0, block_q, backward, 0)
