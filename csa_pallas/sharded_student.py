@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from csa_pallas import api, fused_student, placement, reference, sharding, student as student_lib
+from csa_pallas import api, fused_student, placement, plans, reference, sharding, student as student_lib
 from csa_pallas import teacher_args, validation
 from csa_pallas.kernels import student_gather, student_gather_kl, student_scores
 
@@ -58,23 +58,24 @@ def _owned_gather_config(st: student_lib.Student, rows_problem, student):
     return cfg if cfg is not None and cfg.fuse_kl else None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _owned_kl_total(cfg, operand, index_q, keys, index_weights, topk_indices, target):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _owned_kl_total(cfg, operand, layout, index_q, keys, index_weights, topk_indices, target):
     """(sum_t KL_t f32 scalar, non-empty rows bool [B, rows]) of the owned rows against their target P (padded,
-    -1 on empty slots); differentiable wrt index_q [B, rows, H_I, d_I], the resident keys and index_weights, the
-    gradient taken in the forward pass (`student_gather_kl.loss_and_grads`)."""
-    kl, nonempty, _ = student_gather_kl.loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand,
-                                                       cfg)
+    -1 on empty slots, `layout`); differentiable wrt index_q [B, rows, H_I, d_I], the resident keys and
+    index_weights, the gradient taken in the forward pass (`student_gather_kl.loss_and_grads`). Undifferentiated,
+    only the scores kernel and the stand-alone KL run (no gradient work)."""
+    logits = student_gather.scores(index_q, keys, index_weights, topk_indices, operand, cfg)
+    kl, nonempty = plans.SPARSE.kl_rows(logits, target, layout)
     return jnp.sum(kl), nonempty
 
 
-def _owned_kl_total_fwd(cfg, operand, index_q, keys, index_weights, topk_indices, target):
+def _owned_kl_total_fwd(cfg, operand, layout, index_q, keys, index_weights, topk_indices, target):
     kl, nonempty, grads = student_gather_kl.loss_and_grads(index_q, keys, index_weights, topk_indices, target,
                                                            operand, cfg)
     return (jnp.sum(kl), nonempty), (grads, jnp.zeros((), index_weights.dtype))  # (its dtype travels as a scalar)
 
 
-def _owned_kl_total_bwd(cfg, operand, residuals, cotangents):
+def _owned_kl_total_bwd(cfg, operand, layout, residuals, cotangents):
     (dq, dk, dw), w_like = residuals
     ct = cotangents[0]
     return ((ct * dq.astype(jnp.float32)).astype(dq.dtype), ct * dk, (ct * dw).astype(w_like.dtype), None, None)
@@ -83,12 +84,12 @@ def _owned_kl_total_bwd(cfg, operand, residuals, cotangents):
 _owned_kl_total.defvjp(_owned_kl_total_fwd, _owned_kl_total_bwd)
 
 
-def _owned_rows_kl_total(st: student_lib.Student, rows_problem, start, cfg, target):
+def _owned_rows_kl_total(st: student_lib.Student, rows_problem, start, cfg, target, layout):
     """`_owned_kl_total` of the rows a head shard owns, from the device's whole student."""
     rows = rows_problem.seq_len
     take = lambda x: lax.dynamic_slice_in_dim(x, start, rows, axis=1)
     operand = student_scores.operand_dtype(st.index_q.dtype, st.index_k.dtype)
-    return _owned_kl_total(cfg, operand, take(st.index_q), student_gather.resident_keys(st.index_k),
+    return _owned_kl_total(cfg, operand, layout, take(st.index_q), student_gather.resident_keys(st.index_k),
                            take(st.index_weights), rows_problem.topk_indices, target)
 
 
@@ -154,7 +155,7 @@ def sharded_fused_indexer_distill_loss(
         start = lax.axis_index(axes.heads) * rows_problem.seq_len
         one_kernel = None if per_row else _owned_gather_config(local_st, rows_problem, student)
         if one_kernel is not None:
-            total, nonempty = _owned_rows_kl_total(local_st, rows_problem, start, one_kernel, target)
+            total, nonempty = _owned_rows_kl_total(local_st, rows_problem, start, one_kernel, target, layout)
             return total.reshape(1, 1), nonempty
         logits = _owned_rows_scores(local_st, rows_problem, start, student)
         kl, nonempty = plan.kl_rows(logits, target, layout)

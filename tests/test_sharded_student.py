@@ -157,16 +157,24 @@ def test_a_nan_query_row_is_nan_on_a_head_sharded_mesh(topk):
 
 
 def test_head_shards_take_the_one_kernel_gradient_pass_for_scalar_reductions():
-    """Sparse mode with a head axis: "sum" runs the owned rows through `student_gather_kl` (scores, KL and
-    gradients in one kernel); "none" keeps the scores kernel and the stand-alone KL."""
+    """Sparse mode with a head axis: differentiated, "sum" runs the owned rows through `student_gather_kl`
+    (scores, KL and gradients in one kernel); "none", and "sum" evaluated without a gradient, keep the scores
+    kernel and the stand-alone KL (no gradient work), and the undifferentiated value is the differentiated one."""
     axes = {"data": 2, "heads": 2}
     c, kw = _case(0, topk=5)
     mesh = mesh_of(axes)
+    args = (c["index_q"], c["index_k"], c["index_weights"])
 
-    def kernels(reduction):
-        loss = lambda iq, ik, iw: jnp.sum(sharded_student.sharded_fused_indexer_distill_loss(
+    def loss(reduction):
+        return lambda iq, ik, iw: jnp.sum(sharded_student.sharded_fused_indexer_distill_loss(
             mesh, iq, ik, iw, c["q"], c["compressed_kv"], **kw, **axis_kwargs(axes), reduction=reduction))
-        text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(c["index_q"], c["index_k"], c["index_weights"]))
+
+    def kernels(fn):
+        text = str(jax.make_jaxpr(fn)(*args))
         return {name for name in ("csa_student_gather_kl_grads", "csa_student_gather_scores") if name in text}
-    assert kernels("sum") == {"csa_student_gather_kl_grads"}
-    assert kernels("none") == {"csa_student_gather_scores"}
+    assert kernels(jax.grad(loss("sum"), argnums=(0, 1, 2))) == {"csa_student_gather_kl_grads"}
+    assert kernels(jax.grad(loss("none"), argnums=(0, 1, 2))) == {"csa_student_gather_scores"}
+    assert kernels(loss("sum")) == {"csa_student_gather_scores"}
+    value = jax.jit(loss("sum"), compiler_options=FAST)(*args)
+    differentiated, _ = jax.jit(jax.value_and_grad(loss("sum")), compiler_options=FAST)(*args)
+    np.testing.assert_allclose(float(value), float(differentiated), rtol=1e-6)
