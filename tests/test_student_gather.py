@@ -99,8 +99,8 @@ def test_forced_query_tile():
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000), rows_log2=st.integers(0, 6), groups=st.integers(1, 3))
-def test_scatter_plan_keeps_the_sums_and_makes_each_group_s_targets_distinct(seed, rows_log2, groups):
-    """`_scatter_plan`: scatter-adding the planned cotangent at the planned targets gives, on the R resident rows,
+def testscatter_plan_keeps_the_sums_and_makes_each_group_s_targets_distinct(seed, rows_log2, groups):
+    """`scatter_plan`: scatter-adding the planned cotangent at the planned targets gives, on the R resident rows,
     what scatter-adding each slot's cotangent at the row it reads gives; the targets of each group of
     SCATTER_GROUP slots are distinct (what lets the kernel batch its read-modify-writes); discarded targets lie
     in [R, R + SCATTER_GROUP) and carry zero cotangent. Few rows force many duplicates."""
@@ -108,7 +108,7 @@ def test_scatter_plan_keeps_the_sums_and_makes_each_group_s_targets_distinct(see
     rows, width = 1 << rows_log2, groups * sg.SCATTER_GROUP
     read = rng.integers(0, rows, (5, width)).astype(np.int32)
     g = rng.standard_normal((5, width)).astype(np.float32)
-    targets, planned = (np.asarray(x) for x in sg._scatter_plan(jnp.asarray(read), jnp.asarray(g), rows))
+    targets, planned = (np.asarray(x) for x in sg.scatter_plan(jnp.asarray(read), jnp.asarray(g), rows))
     want, got = np.zeros((5, rows)), np.zeros((5, rows + sg.SCATTER_GROUP))
     for t in range(5):
         np.add.at(want[t], read[t], g[t].astype(np.float64))

@@ -116,12 +116,15 @@ def test_forced_query_tile():
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000), rows_log2=st.integers(0, 6), groups=st.integers(1, 3))
-def test_fold_plan_counts_each_valid_slot_once_on_distinct_targets(seed, rows_log2, groups):
+def test_multiplicity_fold_counts_each_valid_slot_once_on_distinct_targets(seed, rows_log2, groups):
+    """The kernel's fold: `scatter_plan` with the validity as the cotangent, the slots outside V(t) reading the
+    zero row R (as `loss_and_grads` hands them over)."""
     rng = np.random.default_rng(seed)
     rows, width = 1 << rows_log2, groups * sg.SCATTER_GROUP
-    idx = rng.integers(0, rows, (5, width)).astype(np.int32)
     valid = rng.random((5, width)) < 0.7
-    targets, counts = (np.asarray(x) for x in sgk.fold_plan(jnp.asarray(idx), jnp.asarray(valid), rows))
+    idx = np.where(valid, rng.integers(0, rows, (5, width)), rows).astype(np.int32)
+    targets, counts = (np.asarray(x) for x in sg.scatter_plan(jnp.asarray(idx), jnp.asarray(valid, jnp.float32),
+                                                               rows))
     for t in range(5):
         for g in range(groups):
             span = slice(g * sg.SCATTER_GROUP, (g + 1) * sg.SCATTER_GROUP)

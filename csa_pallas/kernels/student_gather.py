@@ -17,7 +17,7 @@ sparse mode): every query gathers its K selected index_k rows, as the sparse tea
   dk is accumulated in VMEM per TensorCore (grid (2 cores, batch, query tiles / 2), the two partial [R, d_p] sums
   added in XLA) by read-modify-writes batched SCATTER_GROUP slots at a time: loads, then stores. Batching needs
   the targets of a group to be distinct, so XLA first folds the cotangent of every slot that reads the same row
-  as an earlier slot of its group into that slot and sends it to a discarded row (`_scatter_plan`; exact, as the
+  as an earlier slot of its group into that slot and sends it to a discarded row (`scatter_plan`; exact, as the
   gradients are linear in the cotangent).
 
 Static v5p estimates (tpu_estimate, cycles per slot row; S = 32K, K = 512, H_I = 64, d_I = 128, bf16): forward
@@ -108,7 +108,7 @@ def gathered_rows(idx_ref, t, keys_ref, stage_ref, operand):
 
 def add_rows_to_targets(target_ref, t, rows_ref, acc_ref):
     """acc[target[t, k]] += rows[k] for every slot k of query t: SCATTER_GROUP rows are loaded, then stored (the
-    targets are distinct within a group, `_scatter_plan`), so the stores do not wait on possibly aliasing loads
+    targets are distinct within a group, `scatter_plan`), so the stores do not wait on possibly aliasing loads
     one slot at a time."""
     for start in range(0, target_ref.shape[1], SCATTER_GROUP):
         targets = [target_ref[t, start + e] for e in range(SCATTER_GROUP)]
@@ -152,7 +152,7 @@ def _grads_kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, g_ref, dq_ref, dw
     lax.fori_loop(0, dq_ref.shape[0], per_query, 0)
 
 
-def _scatter_plan(idx, g, rows: int):
+def scatter_plan(idx, g, rows: int):
     """The backward's dk targets and cotangent: idx int32 [n, K_p] (the rows the slots read, in [0, R]), g f32
     [n, K_p] (their cotangent)
     -> (targets int32 [n, K_p], g' f32 [n, K_p]). Within each group of SCATTER_GROUP slots of a query, the first
@@ -231,12 +231,12 @@ def _backward(st: _Static, idx, q, w, keys, g):
     bq, half = st.cfg.block_q, st.nq // CORES
     tile = lambda c, b, i: b * st.nq + c * half + i
     b, s, h, d = st.batch, st.padded_rows, st.heads, st.head_dim
-    acc_rows = st.resident_rows + SCATTER_GROUP  # the resident rows and the discarded targets of `_scatter_plan`
+    acc_rows = st.resident_rows + SCATTER_GROUP  # the resident rows and the discarded targets of `scatter_plan`
     passes = 1 + 2 * (1 if st.operand_dtype == jnp.float32 else 2)
     written = b * (s * h * d * q.dtype.itemsize + 4 * s * h) + 4 * CORES * b * acc_rows * d
     # A slot with a zero cotangent (every slot outside V(t)) reads a zero row: exact, as it contributes nothing.
     idx = jnp.where(g != 0.0, idx, st.resident_rows)
-    targets, g = _scatter_plan(idx, g, st.resident_rows)
+    targets, g = scatter_plan(idx, g, st.resident_rows)
     query = _query_specs(st, tile)  # query[0]: a [bq, K_p] SMEM block, the slots' rows and their targets alike
     dq, dw, dk = runtime.pallas_call(
         functools.partial(_grads_kernel, operand=st.operand_dtype),

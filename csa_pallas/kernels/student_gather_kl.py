@@ -16,7 +16,8 @@ a NaN row stays NaN) instead of reading the student's scores, and this kernel, p
      slot reading its row. It folds the multiplicity instead: a slot's G depends only on the row it reads
      (SPEC §2: each duplicate is its own softmax entry with the same score and target), so the first valid slot
      reading a row in its group adds G * (the group's count of valid slots reading it) and the others are sent
-     to discarded rows with a count of 0 (`fold_plan`).
+     to discarded rows with a count of 0: `student_gather.scatter_plan` with the validity as the cotangent
+     (the slots outside V(t) read the zero row R, so they never share a row with a valid slot).
 
 Static v5p estimates (S = 32K, K = 512, H_I = 64, d_I = 128, bf16) are in `fused_student.default_query_chunk`.
 """
@@ -34,24 +35,6 @@ from jax.experimental.pallas import tpu as pltpu
 from csa_pallas.kernels import common, fused_kl, runtime
 from csa_pallas.kernels import student_gather as sg
 from csa_pallas.kernels.common import NN, NT, TN
-
-
-def fold_plan(idx, valid, rows: int):
-    """idx int32 [n, K_p] (the rows the slots read, in [0, R]), valid bool [n, K_p] (the slot is in V(t))
-    -> (targets int32 [n, K_p], counts f32 [n, K_p]). Within each group of SCATTER_GROUP slots, the first valid
-    slot reading a row keeps it as its target with the number of valid slots of the group reading it; every other
-    slot (an invalid one, or a later duplicate) gets count 0 and a discarded row of its own (R + its lane)."""
-    n, k = idx.shape
-    group = sg.SCATTER_GROUP
-    read = idx.reshape(n, k // group, group)
-    ok = valid.reshape(read.shape)
-    same = (read[..., :, None] == read[..., None, :]) & ok[..., :, None] & ok[..., None, :]  # [n, groups, a, b]
-    lane = jnp.arange(group)
-    earlier = lane[:, None] < lane[None, :]
-    first = ok & ~jnp.any(same & earlier, axis=-2)
-    counts = jnp.sum(same, axis=-1).astype(jnp.float32)
-    targets = jnp.where(first, read, rows + lane)
-    return targets.reshape(n, k), jnp.where(first, counts, 0.0).reshape(n, k)
 
 
 def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_ref, dw_ref, dk_ref, stats_ref,
@@ -93,7 +76,7 @@ def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_re
         dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
         folded = common.hi_lo_terms(jnp.where(positive, w * (g * count_ref[pl.ds(t, 1), :]), 0.0), operand)
         dk_rows_ref[...] = sum(common.exact_dot(x, q, TN) for x in folded)  # [K_p, d_p]
-        sg.add_rows_to_targets(target_ref, t, dk_rows_ref, dk_ref)  # distinct targets per group: `fold_plan`
+        sg.add_rows_to_targets(target_ref, t, dk_rows_ref, dk_ref)  # distinct targets per group
         return carry
 
     lax.fori_loop(0, block_q, backward, 0)
@@ -127,7 +110,9 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     # A slot outside V(t) reads the zero row R (`student_gather.ZERO_ROWS`): a non-finite index_k row it does not
     # see never meets its zero G in a product.
     idx = jnp.where(valid, idx.reshape(b * s_p, k_p) & (rows - 1), rows)
-    targets, counts = fold_plan(idx, valid, rows)
+    # The multiplicity fold: a valid slot's count of the valid slots of its group reading its row (invalid ones
+    # read row R, so the first slot reading a valid row is valid).
+    targets, counts = sg.scatter_plan(idx, valid.astype(jnp.float32), rows)
     kl = fused_kl.FusedKL(emit_gradient=True, seq_len=s, grad_scale=grad_scale)
     acc_rows = rows + sg.SCATTER_GROUP
     tile = lambda c, bb, i: bb * nq + c * half + i
