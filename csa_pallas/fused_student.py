@@ -135,6 +135,17 @@ def resolve_student(student, problem: Problem, index_q_shape):
     return True, forced
 
 
+def kernel_config(student, problem: Problem, index_q_shape, rows=None):
+    """The config the student kernels run with (the forced one, else the default for a chunk of `rows` query rows,
+    S when None), or None where `resolve_student` takes the XLA student."""
+    use_kernels, forced = resolve_student(student, problem, index_q_shape)
+    if not use_kernels or forced is not None:
+        return forced
+    if problem.sparse:
+        return gather_config(problem, index_q_shape)
+    return student_scores.default_config(seq_len=rows or problem.seq_len, num_blocks=problem.num_blocks)
+
+
 def gather_config(problem: Problem, index_q_shape):
     """The sparse student kernels' default config, or None when they do not fit (`student_gather`)."""
     heads, dim = index_q_shape[2:]
@@ -291,18 +302,13 @@ _kl_sum.defvjp(_kl_sum_fwd, _kl_sum_bwd)
 def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student, row_weight: float = 1.0):
     """(the static `_Chunks`, the teacher's arrays) of one chunked loss; u computed here for a joint target."""
     from csa_pallas import ops, ops_sparse
-    use_kernels, forced = resolve_student(student, problem, st.index_q.shape)
+    use_kernels, _ = resolve_student(student, problem, st.index_q.shape)
     if query_chunk is None:
         chunk = default_query_chunk(problem, st.head_chunk, st.index_q.shape[3], student_kernels=use_kernels,
                                     index_heads=st.index_q.shape[2])
     else:
         chunk = _check_query_chunk(query_chunk, problem.seq_len)
-    kernel_config = None
-    if use_kernels:
-        if problem.sparse:
-            kernel_config = forced or gather_config(problem, st.index_q.shape)
-        else:
-            kernel_config = forced or student_scores.default_config(seq_len=chunk, num_blocks=problem.num_blocks)
+    kernel_cfg = kernel_config(student, problem, st.index_q.shape, rows=chunk)
     if problem.target == "joint" and problem.full_lse is None and problem.noncompressed_lse is None:
         problem = dataclasses.replace(problem, noncompressed_lse=lax.stop_gradient(ops.noncompressed_lse(problem)))
     # The teacher's key operands once for every chunk (not a cast and NaN fill per chunk), without a NaN-filled
@@ -325,7 +331,7 @@ def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student, ro
     problem = dataclasses.replace(problem, compressed_kv=keys, kv_ready=True)
     teacher = {name: getattr(problem, name) for name in _ARRAY_FIELDS if getattr(problem, name) is not None}
     template = dataclasses.replace(problem, **dict.fromkeys(_ARRAY_FIELDS))
-    return _Chunks(template, problem.seq_len // chunk, chunk, kernel_config, st.head_chunk, row_weight,
+    return _Chunks(template, problem.seq_len // chunk, chunk, kernel_cfg, st.head_chunk, row_weight,
                    poison_rows), teacher
 
 

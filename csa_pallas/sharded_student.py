@@ -37,24 +37,22 @@ def _owned_rows_scores(st: student_lib.Student, rows_problem, start, student):
     rows = rows_problem.seq_len
     take = lambda x: lax.dynamic_slice_in_dim(x, start, rows, axis=1)
     owned = student_lib.Student(take(st.index_q), st.index_k, take(st.index_weights), st.head_chunk)
-    use_kernels, forced = fused_student.resolve_student(student, rows_problem, st.index_q.shape)
-    if not use_kernels:
+    cfg = fused_student.kernel_config(student, rows_problem, st.index_q.shape)
+    if cfg is None:
         return student_lib.scores(owned, rows_problem)
     if rows_problem.sparse:
         return student_gather.scores_of_one_chunk(owned.index_q, owned.index_k, owned.index_weights,
-                                                  rows_problem.topk_indices,
-                                                  forced or fused_student.gather_config(rows_problem, st.index_q.shape))
+                                                  rows_problem.topk_indices, cfg)
     _, block_end = reference.block_keys(rows_problem)
     return student_scores.scores(owned.index_q, owned.index_k, owned.index_weights, rows_problem.positions,
-                                 block_end, forced)
+                                 block_end, cfg)
 
 
 def _owned_gather_config(st: student_lib.Student, rows_problem, student):
     """The gather kernels' config when the owned rows' gradient pass takes the one-kernel route, else None."""
     if not rows_problem.sparse:
         return None
-    use_kernels, forced = fused_student.resolve_student(student, rows_problem, st.index_q.shape)
-    cfg = (forced or fused_student.gather_config(rows_problem, st.index_q.shape)) if use_kernels else None
+    cfg = fused_student.kernel_config(student, rows_problem, st.index_q.shape)
     return cfg if cfg is not None and cfg.fuse_kl else None
 
 
