@@ -16,16 +16,17 @@ def _run(*args):
 
 
 def test_two_shards_partition_the_suite_by_marker_on_a_cpu_host_and_one_process_holds_the_chips():
-    assert [marker for _, marker in run_suite.shards("cpu")] == ["v5p_compile", "not v5p_compile"]
+    assert [marker for _, marker in run_suite.shards("cpu")] == ["v5p_compile or sharded",
+                                                                 "not (v5p_compile or sharded)"]
     assert [marker for _, marker in run_suite.shards("tpu")] == [None]
 
 
 def test_a_passing_selection_exits_0_with_each_shard_reported():
-    # test_build.py has no v5p compile: the compile shard collects nothing, which is not a failure
+    # test_build.py has no v5p compile or mesh: the first shard collects nothing, which is not a failure
     done = _run("tests/test_build.py", "-k", "missing_file")
     assert done.returncode == 0, done.stdout
     assert "[interpret] 1 passed" in done.stdout
-    assert "[compile] exit 5" in done.stdout and "[interpret] exit 0" in done.stdout
+    assert "[compile+mesh] exit 5" in done.stdout and "[interpret] exit 0" in done.stdout
     assert "suite: passed" in done.stdout
 
 
