@@ -2,13 +2,14 @@
 
     python tests/run_suite.py [pytest arguments, e.g. -x or -k sparse]
 
-Why two processes: a v5p compile through libtpu and a Pallas interpreter run each keep one core busy (measured:
-101% CPU for the Flash-shape compile), so one pytest process leaves the second core of a 2-core host idle for the
-whole run. The suite splits along the `v5p_compile` and `sharded` markers (`tests/conftest.py`): the AOT compiles
-and the mesh tests in one process, the single-device interpreter runs in the other. Each process prints its own 30 slowest tests (`pytest.ini`); each line of its output
-is prefixed with its shard's name. The exit status is 0 only when both shards pass (a shard that a `-k` leaves
-empty counts as passed if the other ran tests). `python -m pytest -q` still runs the same tests in one process.
-On a TPU host (`platform_select`: the suite runs on the chips, which one process holds) it runs that one process.
+Why two processes: a v5p compile through libtpu keeps one core busy (measured: 101% CPU for the Flash-shape
+compile) and an interpreter run mostly one, so one pytest process leaves the second core of a 2-core host idle for
+most of the run. The suite splits along the `v5p_compile` and `sharded` markers (`tests/conftest.py`): the AOT
+compiles and the mesh tests in one process, the single-device interpreter runs in the other. Each process prints
+its own 30 slowest tests (`pytest.ini`); each line of its output is prefixed with its shard's name. The exit
+status is 0 only when both shards pass (a shard that a `-k` leaves empty counts as passed if the other ran tests).
+`python -m pytest -q` still runs the same tests in one process. On a TPU host (`platform_select`: the suite runs
+on the chips, which one process holds) it runs that one process.
 """
 
 import subprocess
@@ -21,7 +22,8 @@ import platform_select
 
 ROOT = Path(__file__).resolve().parent.parent
 # Compiles and meshes in one process, single-device interpreter runs in the other. With the v5p compiles alone the
-# first shard took 843 s and the second 2,021 s of a 2,043 s run here; the mesh tests (63) move to the first.
+# first shard took 843 s and the second 2,021 s of a 2,043 s run (2-core CI host); with the mesh tests (63) moved
+# to the first: 1,247 s and 1,821 s.
 SHARDS = (("compile+mesh", "v5p_compile or sharded"), ("interpret", "not (v5p_compile or sharded)"))
 ONE_PROCESS = (("all", None),)
 NO_TESTS_COLLECTED = 5  # pytest's exit code

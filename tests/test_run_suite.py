@@ -1,4 +1,5 @@
-"""tests/run_suite.py, the README's test command: two shards along the v5p_compile marker, one exit status."""
+"""tests/run_suite.py, the README's test command: two shards along the v5p_compile and sharded markers, one exit
+status."""
 
 import subprocess
 import sys
@@ -30,8 +31,18 @@ def test_a_passing_selection_exits_0_with_each_shard_reported():
     assert "suite: passed" in done.stdout
 
 
-def test_a_failing_shard_fails_the_suite():
-    done = _run("tests/test_build.py", "-k", "no_such_test_anywhere")  # both shards empty: nothing ran
+def test_a_failing_shard_fails_the_suite(tmp_path):
+    # a file outside tests/ gets no marker from conftest: the interpret shard runs (and fails) it, the other is empty
+    failing = tmp_path / "test_fails.py"
+    failing.write_text("def test_fails():\n    assert False\n")
+    done = _run(str(failing))
+    assert done.returncode == 1, done.stdout
+    assert "[interpret] exit 1" in done.stdout and "[compile+mesh] exit 5" in done.stdout
+    assert "suite: FAILED" in done.stdout
+
+
+def test_nothing_collected_in_either_shard_fails_the_suite():
+    done = _run("tests/test_build.py", "-k", "no_such_test_anywhere")
     assert done.returncode == 1 and "suite: FAILED" in done.stdout
 
 
