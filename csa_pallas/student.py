@@ -122,15 +122,69 @@ def _split_dots_bwd(spec, residuals, g):
 _split_dots.defvjp(_split_dots_fwd, _split_dots_bwd)
 
 
-def _chunk_scores(q_chunk, w_chunk, keys, sparse: bool, split: bool):
-    """sum_j w[t, j] ReLU(q[t, j] . k), f32: q_chunk [B, S, c, d_I], w_chunk f32 [B, S, c]."""
+def _dots(q_chunk, keys, sparse: bool, split: bool):
+    """q . k, f32 [B, S, c, N or K]: q_chunk [B, S, c, d_I], keys [B, N, d_I] or [B, S, K, d_I]."""
     spec = "bsjd,bskd->bsjk" if sparse else "bsjd,bnd->bsjn"
     if split:
-        dots = _split_dots(q_chunk, keys, spec)
-    else:
-        precision = jax.lax.Precision.HIGHEST if q_chunk.dtype == jnp.float32 else None
-        dots = jnp.einsum(spec, q_chunk, keys, precision=precision, preferred_element_type=jnp.float32)
+        return _split_dots(q_chunk, keys, spec)
+    precision = jax.lax.Precision.HIGHEST if q_chunk.dtype == jnp.float32 else None
+    return jnp.einsum(spec, q_chunk, keys, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _chunk_scores(q_chunk, w_chunk, keys, sparse: bool, split: bool):
+    """sum_j w[t, j] ReLU(q[t, j] . k), f32: q_chunk [B, S, c, d_I], w_chunk f32 [B, S, c]. Differentiated by
+    plain autodiff (the "native" baseline's numerics)."""
+    dots = _dots(q_chunk, keys, sparse, split)
     return jnp.einsum("bsj,bsjn->bsn", w_chunk, jax.nn.relu(dots), precision=jax.lax.Precision.HIGHEST)
+
+
+def finite_or_zero(x):
+    """x with its NaN and +-inf entries replaced by 0."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _exact_chunk_scores(q_chunk, w_chunk, keys, sparse: bool, split: bool):
+    """`_chunk_scores` with the backward SPEC §8's chain rule defines on every input, finite or not (SPEC §6: the
+    kernels compute the same):
+        d w[t, j] = sum_s [G != 0] G ReLU(z),   C = [z > 0] G w',   d q = C k',   d k = C^T q',
+    z = q . k from the inputs as given (the forward's scores), G the cotangent of I, and w', k', q' the inputs with
+    non-finite entries replaced by 0: a term whose cotangent is 0 (outside V(t), a masked or empty row) is 0 even
+    against a NaN or inf input, so a non-finite value reaches exactly the gradients of the rows whose loss reads
+    it (those rows' G is NaN) instead of every row that meets it in a product (0 x NaN)."""
+    return _chunk_scores(q_chunk, w_chunk, keys, sparse, split)
+
+
+def _exact_chunk_scores_fwd(q_chunk, w_chunk, keys, sparse, split):
+    return _chunk_scores(q_chunk, w_chunk, keys, sparse, split), (q_chunk, w_chunk, keys)
+
+
+def _exact_chunk_scores_bwd(sparse, split, residuals, g):
+    q_chunk, w_chunk, keys = residuals
+    dots = _dots(q_chunk, keys, sparse, split)  # [B, S, c, N or K]
+    g = g[:, :, None, :]
+    dw = jnp.sum(jnp.where(g != 0.0, g * jnp.maximum(dots, 0.0), 0.0), axis=-1)
+    coef = jnp.where(dots > 0.0, g * finite_or_zero(w_chunk)[..., None], 0.0)
+    dq_spec, dk_spec = (("bsjk,bskd->bsjd", "bsjk,bsjd->bskd") if sparse else
+                        ("bsjn,bnd->bsjd", "bsjn,bsjd->bnd"))
+    dq = _products(dq_spec, coef, finite_or_zero(keys), split)
+    dk = _products(dk_spec, coef, finite_or_zero(q_chunk), split)
+    return dq.astype(q_chunk.dtype), dw, dk.astype(keys.dtype)
+
+
+def _products(spec: str, coef, operand, split: bool):
+    """einsum(spec, coef f32, operand) with f32 accumulation: the f32 cotangent split into bf16 hi + lo passes
+    when the operand holds bf16 values (`_split_dots`'s backward), else at HIGHEST precision."""
+    if not split:
+        return jnp.einsum(spec, coef, operand, precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
+    hi = coef.astype(jnp.bfloat16)
+    lo = (coef - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    return sum(jnp.einsum(spec, part, operand.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+               for part in (hi, lo))
+
+
+_exact_chunk_scores.defvjp(_exact_chunk_scores_fwd, _exact_chunk_scores_bwd)
 
 
 def scores(student: Student, problem: Problem, matmul: str = "exact") -> jax.Array:
@@ -142,7 +196,8 @@ def scores(student: Student, problem: Problem, matmul: str = "exact") -> jax.Arr
     w = student.index_weights.astype(jnp.float32)
     c, h_i = student.head_chunk, student.num_heads
     split = _splits(student, matmul)
-    body = jax.checkpoint(lambda q_c, w_c: _chunk_scores(q_c, w_c, keys, problem.sparse, split))
+    chunk_scores = _exact_chunk_scores if matmul == "exact" else _chunk_scores
+    body = jax.checkpoint(lambda q_c, w_c: chunk_scores(q_c, w_c, keys, problem.sparse, split))
     if c == h_i:
         return body(q, w)
     b, s = q.shape[:2]

@@ -466,10 +466,57 @@ def test_a_non_finite_index_k_block_reaches_exactly_the_rows_that_select_it(stud
     got = _loss_and_grads(c, kw, target="per_head", reduction="sum", implementation="pallas", student=student)
     assert np.isnan(float(got[0])) and np.isnan(float(want[0]))
     (dq, dk, dw), (want_dq, want_dk, want_dw) = ([np.asarray(x, np.float64) for x in g] for g in (got[1], want[1]))
-    for name, a, b in (("index_q", dq, want_dq), ("index_k", dk, want_dk),
-                       ("index_weights", dw[:, ~readers], want_dw[:, ~readers])):
+    for name, a, b in (("index_q", dq, want_dq), ("index_k", dk, want_dk), ("index_weights", dw, want_dw)):
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
         np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=0,
                                    atol=1e-6 * np.max(np.abs(np.nan_to_num(b))), err_msg=name)
-    assert np.all(np.isnan(dq[0, readers]).any(axis=(1, 2))) and np.all(np.isfinite(dq[0, ~readers]))
-    assert np.all(np.isfinite(dw[0, ~readers]))  # (a reader's dw: NaN where a head's ReLU is active, see README)
+    # a reader's G is NaN on V(t): its dw on every head (G ReLU(z) over V(t)), its dq where a head's ReLU is active
+    assert np.all(np.isnan(dw[0, readers])) and np.all(np.isfinite(dw[0, ~readers]))
+    assert np.isnan(dq[0, readers]).any() and np.all(np.isfinite(dq[0, ~readers]))
+
+
+@pytest.mark.parametrize("topk,student,dtype", [
+    (None, "auto", jnp.float32), (None, "auto", jnp.bfloat16), (6, "auto", jnp.float32),
+    (6, StudentGatherConfig(fuse_kl=False), jnp.float32)])
+def test_non_finite_indexer_inputs_reach_only_their_readers_and_the_kernels_agree(topk, student, dtype):
+    """SPEC §6 ("agree on every input") with NaN and +-inf in all three indexer tensors: on rows whose loss reads
+    them (NaN rows), on loss-masked rows, and in an index_k block no unmasked row sees. The student kernels' loss
+    rows and three gradients equal the reference's, NaN pattern included; the gradients are NaN only through the
+    rows whose loss is NaN (a reader's G is NaN on V(t): its d index_weights on every head), so every other row's
+    d index_q and d index_weights stay finite, and so does dk without readers. Until this round a masked row's inf
+    or a block nobody reads made gradients NaN through 0 x inf in the products, differently in each
+    implementation."""
+    c, kw = make_student_case(11, seq=64, topk=topk, loss_mask=True, dtype=dtype)
+    mask = np.asarray(kw["loss_mask"]).copy()
+    readers, masked = [20, 25], [33, 45, 50, 63]
+    mask[0, readers], mask[0, masked] = True, False
+    kw = dict(kw, loss_mask=jnp.asarray(mask))
+    n = c["index_k"].shape[1]
+    c = dict(c, index_q=c["index_q"].at[0, 20, 0, 3].set(jnp.nan).at[0, 33, 1, 0].set(jnp.inf)
+             .at[0, 45, 2].set(-jnp.inf),
+             index_weights=c["index_weights"].at[0, 25, 0].set(jnp.inf).at[0, 50, 2].set(jnp.nan),
+             # the last block is visible only to t = 63, which is masked
+             index_k=c["index_k"].at[0, n - 1, 5].set(jnp.nan).at[0, n - 1, 6].set(-jnp.inf))
+    args = [c[k] for k in ("index_q", "index_k", "index_weights", "q", "compressed_kv")]
+    options = dict(target="per_head", reduction="none")
+    rows = np.asarray(csa_pallas.fused_indexer_distill_loss(*args, **kw, **options, implementation="xla"))[0]
+    got_rows = np.asarray(csa_pallas.fused_indexer_distill_loss(*args, **kw, **options, implementation="pallas",
+                                                                student=student))[0]
+    assert sorted(np.flatnonzero(np.isnan(rows))) == readers
+    np.testing.assert_array_equal(np.isnan(got_rows), np.isnan(rows))
+    np.testing.assert_allclose(np.nan_to_num(got_rows), np.nan_to_num(rows), rtol=1e-6, atol=1e-6)
+    want = _loss_and_grads(c, kw, target="per_head", reduction="sum", implementation="xla")
+    got = _loss_and_grads(c, kw, target="per_head", reduction="sum", implementation="pallas", student=student)
+    (dq, dk, dw), (want_dq, want_dk, want_dw) = ([np.asarray(x, np.float64) for x in g] for g in (got[1], want[1]))
+    for name, a, b in (("index_q", dq, want_dq), ("index_k", dk, want_dk), ("index_weights", dw, want_dw)):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
+        assert not np.isinf(a).any() and not np.isinf(b).any(), name
+        scale = np.max(np.abs(np.nan_to_num(b)))
+        tol = 1e-6 if dtype == jnp.float32 else 2.0 ** -8
+        np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=0, atol=tol * scale, err_msg=name)
+    others = np.setdiff1d(np.arange(64), readers)
+    assert np.all(np.isnan(want_dw[0, readers])) and np.all(np.isfinite(want_dw[0, others]))
+    assert np.all(np.isfinite(want_dq[0, others])) and np.isfinite(want_dk[0, n - 1]).all()
+    # the masked rows' gradients are exact zeros, whatever their inputs hold
+    for x in (want_dq, want_dw, dq, dw):
+        assert not np.any(x[0, masked])

@@ -342,6 +342,14 @@ def exact_dot(a, b, dims):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
+def finite_or_zero(x):
+    """x with its NaN and +-inf entries replaced by 0, in x's dtype (compared in f32: v5p has no bf16 VPU). The
+    student's backward products take their operands through this, so a term whose coefficient is 0 stays 0 against
+    a non-finite operand (SPEC §6: the Pallas and XLA students then agree on non-finite inputs)."""
+    wide = x.astype(jnp.float32)
+    return jnp.where(jnp.abs(wide) < jnp.inf, wide, 0.0).astype(x.dtype)
+
+
 def hi_lo_terms(x, dtype):
     """f32 x -> the terms fed to the MXU: (x,) for f32 operands, (hi, lo) bf16 with hi + lo = x to ~2^-17."""
     if dtype == jnp.float32:

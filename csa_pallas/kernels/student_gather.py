@@ -13,7 +13,9 @@ sparse mode): every query gathers its K selected index_k rows, as the sparse tea
   row of I in slot order (a duplicated index is simply a second slot).
 * Backward (`_grads_kernel`): per query the rows are gathered again, the products recomputed, and with
   G = g * w_j * [q_j . k > 0] (bf16 hi + lo passes, as the dense kernels):
-      dq[t] = G k_rows,   dw[t, j] = sum_k g * ReLU(q_j . k),   dk[topk[t, k]] += (G^T q[t])[k];
+      dq[t] = G k_rows',   dw[t, j] = sum_k [g != 0] g * ReLU(q_j . k),   dk[topk[t, k]] += (G^T q[t]')[k]
+  (primes: non-finite entries as 0, the weights in G too; the scores from the inputs as given: SPEC §6's agreement
+  with `student._exact_chunk_scores` on non-finite inputs);
   dk is accumulated in VMEM per TensorCore (grid (2 cores, batch, query tiles / 2), the two partial [R, d_p] sums
   added in XLA) by read-modify-writes batched SCATTER_GROUP slots at a time: loads, then stores. Batching needs
   the targets of a group to be distinct, so XLA first folds the cotangent of every slot that reads the same row
@@ -117,6 +119,12 @@ def add_rows_to_targets(target_ref, t, rows_ref, acc_ref):
             acc_ref[pl.ds(r, 1), :] = old[e] + rows_ref[pl.ds(start + e, 1), :]
 
 
+def weight_gradient(g, z):
+    """d w[t, j] = sum_k g[k] ReLU(z[j, k]) over the slots with a nonzero cotangent, f32 [H_I, 1]: g [1, K_p], z
+    [H_I, K_p]. The select keeps a zero-cotangent slot at 0 against a non-finite score (SPEC §6)."""
+    return jnp.sum(jnp.where(g != 0.0, g * jnp.maximum(z, 0.0), 0.0), axis=1, keepdims=True)
+
+
 def _scores_kernel(idx_ref, q_ref, w_ref, keys_ref, out_ref, stage_ref, *, operand):
     def per_query(t, carry):
         rows = gathered_rows(idx_ref, t, keys_ref, stage_ref, operand)
@@ -141,11 +149,13 @@ def _grads_kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, g_ref, dq_ref, dw
         positive = z > 0.0  # ReLU'(0) = 0 (SPEC §8)
         g = g_ref[pl.ds(t, 1), :]  # [1, K_p]
         w = common.rows_to_column(w_ref[pl.ds(t, 1), :])  # [H_I, 1]
-        dw = jnp.sum(jnp.where(positive, g * z, 0.0), axis=1, keepdims=True)
-        dw_ref[pl.ds(t, 1), :] = common.column_to_rows(dw, 1)
+        dw_ref[pl.ds(t, 1), :] = common.column_to_rows(weight_gradient(g, z), 1)
         terms = common.hi_lo_terms(jnp.where(positive, w * g, 0.0), operand)
-        dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
-        dk_rows_ref[...] = sum(common.exact_dot(x, q, TN) for x in terms)  # [K_p, d_p]
+        # the products take non-finite operands as 0 (SPEC §6), cleaned from the f32 staging rows and query
+        clean_rows = common.finite_or_zero(stage_ref[...].reshape(rows.shape)).astype(operand)
+        dq_ref[t] = sum(common.exact_dot(x, clean_rows, NN) for x in terms).astype(dq_ref.dtype)
+        clean_q = common.finite_or_zero(q_ref[t]).astype(operand)
+        dk_rows_ref[...] = sum(common.exact_dot(x, clean_q, TN) for x in terms)  # [K_p, d_p]
         add_rows_to_targets(target_ref, t, dk_rows_ref, dk_ref)
         return carry
 
@@ -272,7 +282,9 @@ def _scores_fwd(st, idx, q, w, keys):
 
 def _scores_bwd(st, residuals, g):
     idx, q, w, keys = residuals
-    dq, dw, dk = _backward(st, idx, q, w, keys, g)
+    # The weights enter the backward's products only: their non-finite entries become 0 (SPEC §6; the kernel does
+    # the same to the gathered rows and the query, whose scores it recomputes from the originals).
+    dq, dw, dk = _backward(st, idx, q, common.finite_or_zero(w), keys, g)
     return None, dq, dw, dk
 
 

@@ -46,9 +46,6 @@ def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_re
     block_q, width = idx_ref.shape
     d_p = keys_ref.shape[1]
 
-    def staged(t):
-        return stage_ref[t].reshape(width, d_p).astype(operand)
-
     def score(t, carry):  # phase 1: gather once (into the query's own staging rows), score
         rows = sg.gathered_rows(idx_ref, t, keys_ref, stage_ref.at[t], operand)
         z = common.exact_dot(q_ref[t].astype(operand), rows, NT)  # [H_I, K_p]
@@ -64,14 +61,14 @@ def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_re
                          mask_target=True)
 
     def backward(t, carry):  # phase 3: the gradients from the staged rows
-        rows = staged(t)
-        q = q_ref[t].astype(operand)
+        # the products take non-finite operands as 0 (SPEC §6, `student_gather`), cleaned in f32 before the cast
+        rows = common.finite_or_zero(stage_ref[t].reshape(width, d_p)).astype(operand)
+        q = common.finite_or_zero(q_ref[t]).astype(operand)
         z = z_ref[t]
         positive = z > 0.0  # ReLU'(0) = 0 (SPEC §8)
         g = grad_ref[pl.ds(t, 1), :]  # [1, K_p]
-        w = common.rows_to_column(w_ref[pl.ds(t, 1), :])
-        dw = jnp.sum(jnp.where(positive, g * z, 0.0), axis=1, keepdims=True)
-        dw_ref[pl.ds(t, 1), :] = common.column_to_rows(dw, 1)
+        dw_ref[pl.ds(t, 1), :] = common.column_to_rows(sg.weight_gradient(g, z), 1)
+        w = common.finite_or_zero(common.rows_to_column(w_ref[pl.ds(t, 1), :]))
         terms = common.hi_lo_terms(jnp.where(positive, w * g, 0.0), operand)
         dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
         folded = common.hi_lo_terms(jnp.where(positive, w * (g * count_ref[pl.ds(t, 1), :]), 0.0), operand)

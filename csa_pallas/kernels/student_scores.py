@@ -16,7 +16,9 @@ Forward (`_scores_kernel`, grid (B x query tiles zig-zagged, kv tiles)): per til
 product per head group, its ReLU and the weighted sum in VMEM; the [bq, H_I, bk] terms never leave the kernel.
 Backward (`_grads_kernel`, same grid, kv tiles innermost): from the scores' cotangent g [bq, bk] the kernel
 recomputes each group's products and forms G_j = g * w_j * [q_j . k > 0], then
-    dq_j += G_j k,   dw_j += rowsum(g * ReLU(q_j . k)),   dk += G_j^T q_j;
+    dq_j += G_j k',   dw_j += rowsum([g != 0] g * ReLU(q_j . k)),   dk += G_j^T q_j'
+(k', q_j', and the weights in G_j: non-finite entries as 0; q_j . k from the inputs as given: the rules with which
+the XLA student agrees on non-finite inputs, `student._exact_chunk_scores`);
 dq ([H_p / pack, pack bq, d_p] f32) and dw stay resident over the kv tiles; at the last kv tile dq goes back into
 the row order by strided stores of 32-bit rows (bf16: rounded, then packed in pairs into a u32 buffer, which is
 one bf16 block). dk is written per (query tile, kv tile) and summed over the query tiles in XLA
@@ -114,14 +116,18 @@ def _grads_kernel(table_ref, q_ref, w_ref, k_ref, g_ref, dq_ref, dw_ref, dk_ref,
                         scratch[c][pl.ds(e, rows, stride=pack), :] = g_ref[:, c * PART_BLOCKS:(c + 1) * PART_BLOCKS]
                 g = jnp.concatenate([scratch[c][...] for c in parts], axis=1) if len(parts) > 1 else scratch[0][...]
             dk = jnp.zeros((cols, dk_ref.shape[1]), jnp.float32)
+            active = g != 0.0  # a term with a zero cotangent is 0, even against a non-finite score (SPEC §6)
+            k_products = common.finite_or_zero(k)
             for i in range(groups):
                 q_i = _head_group(q_ref, i, pack, groups, rows, k.dtype)
                 dots = common.exact_dot(q_i, k, NT)  # [pack * rows, cols]
                 positive = dots > 0.0  # ReLU'(0) = 0 (SPEC §8)
-                dw_ref[:, i:i + 1] += jnp.sum(jnp.where(positive, g * dots, 0.0), axis=1, keepdims=True)
+                dw_ref[:, i:i + 1] += jnp.sum(jnp.where(active, g * jnp.maximum(dots, 0.0), 0.0), axis=1,
+                                              keepdims=True)
                 terms = common.hi_lo_terms(jnp.where(positive, g * w[:, i:i + 1], 0.0), k.dtype)
-                dq_acc[i] += sum(common.exact_dot(t, k, NN) for t in terms)
-                dk = dk + sum(common.exact_dot(t, q_i, TN) for t in terms)
+                dq_acc[i] += sum(common.exact_dot(t, k_products, NN) for t in terms)
+                q_products = common.finite_or_zero(q_i)
+                dk = dk + sum(common.exact_dot(t, q_products, TN) for t in terms)
             dk_ref[:cols] = dk
         if cols < skip.block_k:  # the cotangent is 0 there: no gradient
             dk_ref[cols:] = jnp.zeros((skip.block_k - cols, dk_ref.shape[1]), dk_ref.dtype)
@@ -281,7 +287,9 @@ def _scores_fwd(st, table, q, w, k, k_operand):
 
 def _scores_bwd(st, residuals, g):
     table, q, w, k_operand = residuals
-    dq, dw, dk_parts = _backward(st, table, q, w, k_operand, g)
+    # The weights enter the backward's products only, so their non-finite entries become 0 here (one small pass);
+    # index_q's and the keys' do in the kernel, where the recomputed scores still see the originals.
+    dq, dw, dk_parts = _backward(st, table, q, common.finite_or_zero(w), k_operand, g)
     dk = dk_parts[:, 0] if st.nq == 1 else jnp.sum(dk_parts, axis=1)
     return None, dq, dw, dk, None
 
