@@ -109,14 +109,11 @@ def _split_dots_fwd(a, b, spec):
 
 
 def _split_dots_bwd(spec, residuals, g):
-    a, b = (x.astype(jnp.bfloat16) for x in residuals)
+    a, b = residuals
     operands, out = spec.split("->")
     a_spec, b_spec = operands.split(",")
-    hi = g.astype(jnp.bfloat16)
-    lo = (g - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    twice = lambda grad_spec, other: sum(jnp.einsum(grad_spec, part, other, preferred_element_type=jnp.float32)
-                                         for part in (hi, lo))
-    return twice(f"{out},{b_spec}->{a_spec}", b), twice(f"{out},{a_spec}->{b_spec}", a)
+    return (_products(f"{out},{b_spec}->{a_spec}", g, b, split=True),
+            _products(f"{out},{a_spec}->{b_spec}", g, a, split=True))
 
 
 _split_dots.defvjp(_split_dots_fwd, _split_dots_bwd)
