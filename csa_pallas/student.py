@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from csa_pallas import validation
+from csa_pallas.kernels.common import finite_or_zero  # the kernels' own rule (SPEC §6: the two must agree)
 from csa_pallas.validation import Problem
 
 
@@ -133,11 +134,6 @@ def _chunk_scores(q_chunk, w_chunk, keys, sparse: bool, split: bool):
     plain autodiff (the "native" baseline's numerics)."""
     dots = _dots(q_chunk, keys, sparse, split)
     return jnp.einsum("bsj,bsjn->bsn", w_chunk, jax.nn.relu(dots), precision=jax.lax.Precision.HIGHEST)
-
-
-def finite_or_zero(x):
-    """x with its NaN and +-inf entries replaced by 0."""
-    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

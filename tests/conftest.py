@@ -29,4 +29,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.v5p_compile)
         if filename in SHARDED_FILES:
             item.add_marker(pytest.mark.sharded)
-

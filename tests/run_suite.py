@@ -47,14 +47,19 @@ def shards(platform: str):
 def main(args):
     record = "--record-durations" in args
     pytest_args = [a for a in args if a != "--record-durations"]
+    with tempfile.TemporaryDirectory() as records:
+        return _run(pytest_args, Path(records) if record else None)
+
+
+def _run(pytest_args, records):
+    """Runs the parts; records: a directory for their durations (then merged into tests/durations.json) or None."""
     out_lock, started, runs, finished = threading.Lock(), time.time(), [], {}
-    records = tempfile.TemporaryDirectory()
     for number, (name, shard) in enumerate(shards(platform_select.chosen_platform())):
         # -c: this repository's settings (and the --suite-shard option) also for test files outside it
         cmd = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pytest.ini"), "-q",
                *(["--suite-shard", shard] if shard else []), *pytest_args]
-        if record:
-            cmd += ["--record-durations", str(Path(records.name) / f"{number}.json")]
+        if records:
+            cmd += ["--record-durations", str(records / f"{number}.json")]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         reader = threading.Thread(target=_forward, args=(name, proc.stdout, out_lock, finished))
         reader.start()
@@ -67,9 +72,9 @@ def main(args):
     ran = [c for c in codes.values() if c != NO_TESTS_COLLECTED]
     ok = bool(ran) and all(c == 0 for c in ran)
     print(f"suite: {'passed' if ok else 'FAILED'} in {time.time() - started:.0f} s ({codes})", flush=True)
-    if record:
+    if records:
         fresh = {}
-        for path in sorted(Path(records.name).glob("*.json")):
+        for path in sorted(records.glob("*.json")):
             fresh.update(json.loads(path.read_text()))
         # this run's tests replace their records; the others stay unless their file is gone
         kept = {k: v for k, v in suite_shards.load_durations().items() if (ROOT / suite_shards.file_of(k)).exists()}
@@ -77,7 +82,6 @@ def main(args):
         suite_shards.DURATIONS.write_text(json.dumps(merged, indent=0) + "\n")
         print(f"suite: recorded {len(fresh)} durations ({len(merged)} in all) in "
               f"{suite_shards.DURATIONS.relative_to(ROOT)}", flush=True)
-    records.cleanup()
     return 0 if ok else 1
 
 

@@ -84,7 +84,8 @@ class ShardPlugin:
               f"{loads[index]:.0f} s (recorded durations; parts {', '.join(f'{x:.0f}' for x in loads)} s)")
 
     def pytest_runtest_logreport(self, report):
-        self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
+        if self.record:
+            self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
 
     def pytest_sessionfinish(self, session):
         if self.record:
