@@ -38,7 +38,7 @@ COLUMNS = [("program", "program", "s"), ("seq", "S", "i"), ("status", "status", 
 def cases(seq: int, chunks, index_chunks=()) -> list:
     """(program label, pass, fn, input names); every fn takes the inputs of `harness.input_structs`."""
     import csa_pallas
-    from csa_pallas.kernels.student_gather import StudentGatherConfig
+    from csa_pallas.kernels import student_gather
     from benchmarks import xla_baseline
     m, w = SHAPE.ratio, SHAPE.window
 
@@ -83,7 +83,11 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
         out.append((STUDENT_KERNELS, "fwd+bwd", student_kernels_loss, ["index_q", "index_k", "index_weights",
                                                                           "logits"]))
     if index_chunks:
-        for label, student in ((SPARSE_FUSED, "auto"), (SPARSE_TWO_KERNELS, StudentGatherConfig(fuse_kl=False))):
+        # the default config's VMEM limit (sized for the shape's N), with the two-kernel route forced
+        two_kernels = student_gather.default_config(num_blocks=SHAPE.blocks(seq), heads=SHAPE.index_heads,
+                                                    head_dim=SHAPE.index_dim, width=SPARSE_K)
+        two_kernels = dataclasses.replace(two_kernels or student_gather.StudentGatherConfig(), fuse_kl=False)
+        for label, student in ((SPARSE_FUSED, "auto"), (SPARSE_TWO_KERNELS, two_kernels)):
             def sparse_fused(iq, ik, iw, q, kv, topk, student=student):
                 # topk_indices come as [B, S, N] (every case's inputs share one width); the loss reads K = 512.
                 return jax.value_and_grad(lambda *x: csa_pallas.fused_indexer_distill_loss(
@@ -117,8 +121,8 @@ SPARSE_K = 512
 SPARSE_FUSED = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K} (student gather kernels, "
                 f"default query chunks, topk_indices sliced from [B, S, N])")
 SPARSE_TWO_KERNELS = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K}, the student's two-kernel "
-                      f"route (StudentGatherConfig(fuse_kl=False): scores kernel, the teacher's fused KL, gradient "
-                      f"kernel)")
+                      f"route (the default StudentGatherConfig with fuse_kl=False: scores kernel, the teacher's fused "
+                      f"KL, gradient kernel)")
 FUSED_ONE_CHUNK = "fwd+bwd fused_indexer_distill_loss per_head (student kernels, one query chunk)"
 STUDENT_KERNELS = "fwd+bwd student kernels alone (default ids: causal schedule from the grid)"
 

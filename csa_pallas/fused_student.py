@@ -132,7 +132,23 @@ def resolve_student(student, problem: Problem, index_q_shape):
             return False, None
         raise ValueError(f"student: the sparse student kernels keep index_k resident in VMEM, which N="
                          f"{problem.num_blocks} does not fit; take student='auto' or 'xla'")
+    if problem.sparse and forced is not None:
+        _check_gather_vmem(forced, problem, index_q_shape)
     return True, forced
+
+
+def _check_gather_vmem(cfg, problem: Problem, index_q_shape):
+    """A forced StudentGatherConfig whose VMEM limit is below its kernels' need (`student_gather.vmem_bytes`: the
+    resident keys and dk's accumulator grow with N) is a ValueError here, not a Mosaic VMEM overflow at compile
+    time (or an interpreter run that a TPU would refuse)."""
+    heads, dim = index_q_shape[2:]
+    width = -(-problem.width // 128) * 128
+    need = student_gather.vmem_bytes(cfg, num_blocks=problem.num_blocks, heads=heads, head_dim=dim, width=width)
+    if need > cfg.vmem_limit_bytes:
+        raise ValueError(
+            f"student: StudentGatherConfig.vmem_limit_bytes: expected at least {need} bytes (the gather kernels' "
+            f"VMEM at N={problem.num_blocks}, H_I={heads}, d_I={dim}, K={problem.width}, block_q={cfg.block_q}, "
+            f"fuse_kl={cfg.fuse_kl}), got {cfg.vmem_limit_bytes}; student_gather.default_config sizes it")
 
 
 def kernel_config(student, problem: Problem, index_q_shape, rows=None):

@@ -337,6 +337,9 @@ def test_fused_op_student_choices():
                                           "StudentGatherConfig"),
     (dict(student="pallas", implementation="xla"), "student: the student kernels run on the Pallas path"),
     (dict(student=sk.StudentKernelConfig(), implementation="xla"), "student: the student kernels run"),
+    (dict(student=StudentGatherConfig(block_q=64, vmem_limit_bytes=1 << 20), topk_indices=True),
+     r"student: StudentGatherConfig.vmem_limit_bytes: expected at least \d+ bytes \(the gather kernels' VMEM at "
+     r"N=\d+, H_I=\d+, d_I=\d+, K=3, block_q=64, fuse_kl=True\), got 1048576"),
 ])
 def test_student_choice_errors_name_the_argument(change, match):
     c, kw = make_student_case(6)

@@ -22,12 +22,12 @@ sparse mode): every query gathers its K selected index_k rows, as the sparse tea
   as an earlier slot of its group into that slot and sends it to a discarded row (`scatter_plan`; exact, as the
   gradients are linear in the cotangent).
 
-Static v5p estimates (tpu_estimate, cycles per slot row; S = 32K, K = 512, H_I = 64, d_I = 128, bf16): forward
-~2.15 (the row load 1.65: the scalar unit bounds it, so the rows arrive masked to [0, R) from XLA), backward ~5.8
-(load 1.65, read-modify-write 2.5 batched against 4.2 one slot at a time, the products). Fused sparse loss at
-S = 32K: forward kernel 10.3 ms, backward 27.8 ms. Where the loss takes its gradient in the forward pass, the
-default (`StudentGatherConfig.fuse_kl`) is instead one kernel that gathers the rows once for the scores, the KL
-and the gradients (`student_gather_kl`): 27.1 ms for both.
+Static v5p estimates (tpu_estimate; S = 32K, K = 512, H_I = 64, d_I = 128, bf16): the scalar unit bounds the
+per-slot work (the gather's row loads, the read-modify-writes' targets; `gathered_rows`), the read-modify-writes
+batched (2.5 cycles per slot in groups of 16 against 4.2 one slot at a time). Where the loss takes its gradient in
+the forward pass, the default (`StudentGatherConfig.fuse_kl`) is one kernel that gathers the rows once for the
+scores, the KL and the gradients (`student_gather_kl`): 23.5 ms at S = 32K, ~4.9 cycles per slot per TensorCore
+(README, "Sparse mode" of the fused student, for the history).
 """
 
 from __future__ import annotations
@@ -100,20 +100,27 @@ def default_config(*, num_blocks: int, heads: int, head_dim: int, width: int,
 
 def gathered_rows(idx_ref, t, keys_ref, stage_ref, operand):
     """Query t's K_p selected rows, [K_p, d_p] in the operand dtype: unrolled single-row loads into static staging
-    rows. The rows arrive already masked to [0, R) (`scores`): the scalar unit bounds these loads, and the mask's
-    one op per slot cost ~0.5 cycles of the 2.15 per row (static v5p estimates)."""
+    rows. The scalar unit bounds these loads (per slot: the index's SMEM load, its offset, the row's VMEM address),
+    so the rows arrive already masked to [0, R) (`scores`; the mask in the kernel cost ~0.5 of 2.15 cycles per
+    row) and the slots are read through the query's own row of the SMEM block (`idx_ref.at[t]`): indexed as
+    idx_ref[t, k] each slot's address was t * K_p + k, one more scalar add per slot (static v5p estimates of a
+    micro-kernel: 1.53 cycles per row through the row against 2.15; the one-kernel route's whole op at S = 32K,
+    K = 512: 47.1 -> 42.7 ms together with `add_rows_to_targets`)."""
     width = idx_ref.shape[1]
+    slots = idx_ref.at[t]
     for k in range(width):
-        stage_ref[k // 8, pl.ds(k % 8, 1), :] = keys_ref[pl.ds(idx_ref[t, k], 1), :]
+        stage_ref[k // 8, pl.ds(k % 8, 1), :] = keys_ref[pl.ds(slots[k], 1), :]
     return stage_ref[...].reshape(width, keys_ref.shape[1]).astype(operand)
 
 
 def add_rows_to_targets(target_ref, t, rows_ref, acc_ref):
     """acc[target[t, k]] += rows[k] for every slot k of query t: SCATTER_GROUP rows are loaded, then stored (the
     targets are distinct within a group, `scatter_plan`), so the stores do not wait on possibly aliasing loads
-    one slot at a time."""
+    one slot at a time. The targets are read through the query's row of the SMEM block, as in `gathered_rows`
+    (2.4 cycles per slot against 3.0 in the micro-kernel)."""
+    slots = target_ref.at[t]
     for start in range(0, target_ref.shape[1], SCATTER_GROUP):
-        targets = [target_ref[t, start + e] for e in range(SCATTER_GROUP)]
+        targets = [slots[start + e] for e in range(SCATTER_GROUP)]
         old = [acc_ref[pl.ds(r, 1), :] for r in targets]
         for e, r in enumerate(targets):
             acc_ref[pl.ds(r, 1), :] = old[e] + rows_ref[pl.ds(start + e, 1), :]
