@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import runtime, student_scores
+from csa_pallas.kernels import runtime, slot_rows, student_scores
 from csa_pallas.kernels import student_gather as sg
 
 FAST = {"xla_backend_optimization_level": 0}  # CPU compiles of the interpreted kernels dominate
@@ -163,3 +163,33 @@ def test_declared_hbm_bytes_count_every_fetch():
     assert len(calls) == 2
     # the helper's cases: one element over both cores; a boundary between elements; a boundary inside one
     assert [sg.common.resident_fetches(b, 4) for b in (1, 2, 3)] == [2, 2, 4]
+
+
+def _slot_rows_copy(slots, interpret):
+    """Each query's row of an int32 [bq, 128] SMEM block, read through `slot_rows.for_each_query` (DMA'd into the
+    static rows) and written out as f32 rows: the copy the kernels' per-slot loops read."""
+    from jax.experimental import pallas as pl
+
+    def kernel(slots_ref, out_ref, buf_ref, sem_ref):
+        def per_query(t, row):
+            lane = jax.lax.broadcasted_iota(jnp.int32, (1, 128), 1)
+            values = jnp.zeros((1, 128), jnp.float32)
+            for k in range(128):  # scalar reads from the static row, as the gathers do
+                values = jnp.where(lane == k, row[k].astype(jnp.float32), values)
+            out_ref[pl.ds(t, 1), :] = values
+
+        slot_rows.for_each_query([slots_ref], buf_ref, sem_ref, per_query)
+
+    bq = slots.shape[0]
+    return pl.pallas_call(
+        kernel, grid=(1,), in_specs=[pl.BlockSpec((bq, 128), lambda i: (0, 0), memory_space=pltpu.SMEM)],
+        out_specs=pl.BlockSpec((bq, 128), lambda i: (0, 0)), out_shape=jax.ShapeDtypeStruct((bq, 128), jnp.float32),
+        scratch_shapes=slot_rows.scratch(128, 1), interpret=interpret)(slots)
+
+
+def test_slot_rows_hand_each_query_its_own_slots_under_the_race_checking_interpreter():
+    slots = jnp.asarray(np.random.default_rng(0).integers(-5, 1000, (6, 128)), jnp.int32)
+    params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise")
+    np.testing.assert_array_equal(np.asarray(_slot_rows_copy(slots, params)), np.asarray(slots, np.float32))
+    with pytest.raises(ValueError, match="block_q: expected an even number of queries per tile, got 5"):
+        _slot_rows_copy(slots[:5], True)

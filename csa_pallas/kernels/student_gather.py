@@ -23,11 +23,11 @@ sparse mode): every query gathers its K selected index_k rows, as the sparse tea
   gradients are linear in the cotangent).
 
 Static v5p estimates (tpu_estimate; S = 32K, K = 512, H_I = 64, d_I = 128, bf16): the scalar unit bounds the
-per-slot work (the gather's row loads, the read-modify-writes' targets; `gathered_rows`), the read-modify-writes
-batched (2.5 cycles per slot in groups of 16 against 4.2 one slot at a time). Where the loss takes its gradient in
-the forward pass, the default (`StudentGatherConfig.fuse_kl`) is one kernel that gathers the rows once for the
-scores, the KL and the gradients (`student_gather_kl`): 23.5 ms at S = 32K, ~4.9 cycles per slot per TensorCore
-(README, "Sparse mode" of the fused student, for the history).
+per-slot work (the gather's row loads, the read-modify-writes' targets), so the slots are read from static SMEM
+rows (`slot_rows`) and the read-modify-writes batched (2.5 cycles per slot in groups of 16 against 4.2 one slot
+at a time). Where the loss takes its gradient in the forward pass, the default (`StudentGatherConfig.fuse_kl`) is
+one kernel that gathers the rows once for the scores, the KL and the gradients (`student_gather_kl`): 20.6 ms at
+S = 32K, ~4.3 cycles per slot per TensorCore (README, "Sparse mode" of the fused student, for the history).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import common, runtime, sparse_gather, student_scores
+from csa_pallas.kernels import common, runtime, slot_rows, sparse_gather, student_scores
 from csa_pallas.kernels.common import NN, NT, TN
 
 CORES = common.MEGACORE  # the backward's dk partial sums: one per TensorCore
@@ -98,29 +98,22 @@ def default_config(*, num_blocks: int, heads: int, head_dim: int, width: int,
                                                           max(32 * common.MiB, int(need * 1.2))))
 
 
-def gathered_rows(idx_ref, t, keys_ref, stage_ref, operand):
-    """Query t's K_p selected rows, [K_p, d_p] in the operand dtype: unrolled single-row loads into static staging
-    rows. The scalar unit bounds these loads (per slot: the index's SMEM load, its offset, the row's VMEM address),
-    so the rows arrive already masked to [0, R) (`scores`; the mask in the kernel cost ~0.5 of 2.15 cycles per
-    row) and the slots are read through the query's own row of the SMEM block (`idx_ref.at[t]`): indexed as
-    idx_ref[t, k] each slot's address was t * K_p + k, one more scalar add per slot (static v5p estimates of a
-    micro-kernel: 1.53 cycles per row through the row against 2.15; the one-kernel route's whole op at S = 32K,
-    K = 512: 47.1 -> 42.7 ms together with `add_rows_to_targets`)."""
-    width = idx_ref.shape[1]
-    slots = idx_ref.at[t]
+def gathered_rows(slots, keys_ref, stage_ref, operand):
+    """One query's K_p selected rows, [K_p, d_p] in the operand dtype: unrolled single-row loads into static
+    staging rows. slots: the query's [K_p] row indices, already masked to [0, R) (`scores`; the mask in the kernel
+    cost ~0.5 of 2.15 cycles per row), in a static SMEM row (`slot_rows`)."""
+    width = slots.shape[0]
     for k in range(width):
         stage_ref[k // 8, pl.ds(k % 8, 1), :] = keys_ref[pl.ds(slots[k], 1), :]
     return stage_ref[...].reshape(width, keys_ref.shape[1]).astype(operand)
 
 
-def add_rows_to_targets(target_ref, t, rows_ref, acc_ref):
-    """acc[target[t, k]] += rows[k] for every slot k of query t: SCATTER_GROUP rows are loaded, then stored (the
+def add_rows_to_targets(targets_row, rows_ref, acc_ref):
+    """acc[targets_row[k]] += rows[k] for every slot k of a query: SCATTER_GROUP rows are loaded, then stored (the
     targets are distinct within a group, `scatter_plan`), so the stores do not wait on possibly aliasing loads
-    one slot at a time. The targets are read through the query's row of the SMEM block, as in `gathered_rows`
-    (2.4 cycles per slot against 3.0 in the micro-kernel)."""
-    slots = target_ref.at[t]
-    for start in range(0, target_ref.shape[1], SCATTER_GROUP):
-        targets = [slots[start + e] for e in range(SCATTER_GROUP)]
+    one slot at a time. targets_row: [K_p] in a static SMEM row (`slot_rows`)."""
+    for start in range(0, targets_row.shape[0], SCATTER_GROUP):
+        targets = [targets_row[start + e] for e in range(SCATTER_GROUP)]
         old = [acc_ref[pl.ds(r, 1), :] for r in targets]
         for e, r in enumerate(targets):
             acc_ref[pl.ds(r, 1), :] = old[e] + rows_ref[pl.ds(start + e, 1), :]
@@ -132,25 +125,24 @@ def weight_gradient(g, z):
     return jnp.sum(jnp.where(g != 0.0, g * jnp.maximum(z, 0.0), 0.0), axis=1, keepdims=True)
 
 
-def _scores_kernel(idx_ref, q_ref, w_ref, keys_ref, out_ref, stage_ref, *, operand):
-    def per_query(t, carry):
-        rows = gathered_rows(idx_ref, t, keys_ref, stage_ref, operand)
+def _scores_kernel(idx_ref, q_ref, w_ref, keys_ref, out_ref, stage_ref, buf_ref, sem_ref, *, operand):
+    def per_query(t, slots):
+        rows = gathered_rows(slots, keys_ref, stage_ref, operand)
         z = common.exact_dot(q_ref[t].astype(operand), rows, NT)  # [H_I, K_p]
         w = common.rows_to_column(w_ref[pl.ds(t, 1), :])  # [H_I, 1]
         out_ref[pl.ds(t, 1), :] = jnp.sum(w * jnp.maximum(z, 0.0), axis=0, keepdims=True)
-        return carry
 
-    lax.fori_loop(0, out_ref.shape[0], per_query, 0)
+    slot_rows.for_each_query([idx_ref], buf_ref, sem_ref, per_query)
 
 
 def _grads_kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, g_ref, dq_ref, dw_ref, dk_ref, stage_ref,
-                  dk_rows_ref, *, operand):
+                  dk_rows_ref, buf_ref, sem_ref, *, operand):
     @pl.when(pl.program_id(2) == 0)  # the first query tile of this core's walk over a batch element
     def _():
         dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
 
-    def per_query(t, carry):
-        rows = gathered_rows(idx_ref, t, keys_ref, stage_ref, operand)
+    def per_query(t, slots, targets):
+        rows = gathered_rows(slots, keys_ref, stage_ref, operand)
         q = q_ref[t].astype(operand)
         z = common.exact_dot(q, rows, NT)  # [H_I, K_p]
         positive = z > 0.0  # ReLU'(0) = 0 (SPEC §8)
@@ -163,10 +155,9 @@ def _grads_kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, g_ref, dq_ref, dw
         dq_ref[t] = sum(common.exact_dot(x, clean_rows, NN) for x in terms).astype(dq_ref.dtype)
         clean_q = common.finite_or_zero(q_ref[t]).astype(operand)
         dk_rows_ref[...] = sum(common.exact_dot(x, clean_q, TN) for x in terms)  # [K_p, d_p]
-        add_rows_to_targets(target_ref, t, dk_rows_ref, dk_ref)
-        return carry
+        add_rows_to_targets(targets, dk_rows_ref, dk_ref)
 
-    lax.fori_loop(0, dq_ref.shape[0], per_query, 0)
+    slot_rows.for_each_query([idx_ref, target_ref], buf_ref, sem_ref, per_query)
 
 
 def scatter_plan(idx, g, rows: int):
@@ -234,7 +225,8 @@ def _forward(st: _Static, idx, q, w, keys):
             pl.BlockSpec((None, st.resident_rows + ZERO_ROWS, st.head_dim), lambda p: (batch_of(p), 0, 0),
                          pipeline_mode=pl.Buffered(1))],
         out_specs=pl.BlockSpec((bq, st.width), lambda p: (p, 0)),
-        scratch_shapes=[pltpu.VMEM((st.width // 8, 8, st.head_dim), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((st.width // 8, 8, st.head_dim), jnp.float32)]
+        + slot_rows.scratch(st.width, 1),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                              vmem_limit_bytes=st.cfg.vmem_limit_bytes),
         cost_estimate=st.cost(1, 4 * st.batch * st.padded_rows * st.width, q.dtype.itemsize, 1,
@@ -267,7 +259,8 @@ def _backward(st: _Static, idx, q, w, keys, g):
         out_specs=(pl.BlockSpec((bq, h, d), lambda *g_: (tile(*g_), 0, 0)),
                    pl.BlockSpec((bq, h), lambda *g_: (tile(*g_), 0)),
                    pl.BlockSpec((None, None, acc_rows, d), lambda c, bb, i: (c, bb, 0, 0))),
-        scratch_shapes=[pltpu.VMEM((st.width // 8, 8, d), jnp.float32), pltpu.VMEM((st.width, d), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((st.width // 8, 8, d), jnp.float32), pltpu.VMEM((st.width, d), jnp.float32)]
+        + slot_rows.scratch(st.width, 2),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=st.cfg.vmem_limit_bytes),
         cost_estimate=st.cost(passes, written, q.dtype.itemsize, 3, CORES * b),

@@ -28,39 +28,37 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from csa_pallas.kernels import common, fused_kl, runtime
+from csa_pallas.kernels import common, fused_kl, runtime, slot_rows
 from csa_pallas.kernels import student_gather as sg
 from csa_pallas.kernels.common import NN, NT, TN
 
 
 def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_ref, dw_ref, dk_ref, stats_ref,
-            stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, *, operand, kl: fused_kl.FusedKL):
+            stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, buf_ref, sem_ref, *, operand, kl: fused_kl.FusedKL):
     @pl.when(pl.program_id(2) == 0)  # the first query tile of this core's walk over a batch element
     def _():
         dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
 
-    block_q, width = idx_ref.shape
+    width = idx_ref.shape[1]
     d_p = keys_ref.shape[1]
 
-    def score(t, carry):  # phase 1: gather once (into the query's own staging rows), score
-        rows = sg.gathered_rows(idx_ref, t, keys_ref, stage_ref.at[t], operand)
+    def score(t, slots):  # phase 1: gather once (into the query's own staging rows), score
+        rows = sg.gathered_rows(slots, keys_ref, stage_ref.at[t], operand)
         z = common.exact_dot(q_ref[t].astype(operand), rows, NT)  # [H_I, K_p]
         z_ref[t] = z
         w = common.rows_to_column(w_ref[pl.ds(t, 1), :])
         logits_ref[pl.ds(t, 1), :] = jnp.sum(w * jnp.maximum(z, 0.0), axis=0, keepdims=True)
-        return carry
 
-    lax.fori_loop(0, block_q, score, 0)
+    slot_rows.for_each_query([idx_ref], buf_ref, sem_ref, score)
     # phase 2: the tile's KL and G (P' is the target; its empty slots are -1, masked to 0 by mask_target)
     fused_kl.kl_epilogue(kl, p_ref, logits_ref, stats_ref, grad_ref,
                          visible_at=lambda start, size: jnp.logical_not(p_ref[:, pl.ds(start, size)] < 0.0),
                          mask_target=True)
 
-    def backward(t, carry):  # phase 3: the gradients from the staged rows
+    def backward(t, targets):  # phase 3: the gradients from the staged rows
         # the products take non-finite operands as 0 (SPEC §6, `student_gather`), cleaned in f32 before the cast
         rows = common.finite_or_zero(stage_ref[t].reshape(width, d_p)).astype(operand)
         q = common.finite_or_zero(q_ref[t]).astype(operand)
@@ -73,10 +71,9 @@ def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_re
         dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
         folded = common.hi_lo_terms(jnp.where(positive, w * (g * count_ref[pl.ds(t, 1), :]), 0.0), operand)
         dk_rows_ref[...] = sum(common.exact_dot(x, q, TN) for x in folded)  # [K_p, d_p]
-        sg.add_rows_to_targets(target_ref, t, dk_rows_ref, dk_ref)  # distinct targets per group
-        return carry
+        sg.add_rows_to_targets(targets, dk_rows_ref, dk_ref)  # distinct targets per group
 
-    lax.fori_loop(0, block_q, backward, 0)
+    slot_rows.for_each_query([target_ref], buf_ref, sem_ref, backward)
 
 
 def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_dtype,
@@ -138,7 +135,7 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
                    pl.BlockSpec((None, None, fused_kl.KL_STAT_ROWS, bq), lambda c, bb, i: (bb, c * half + i, 0, 0))),
         scratch_shapes=[pltpu.VMEM((bq, k_p // 8, 8, d_p), jnp.float32), pltpu.VMEM((bq, k_p), jnp.float32),
                         pltpu.VMEM((bq, k_p), jnp.float32), pltpu.VMEM((k_p, d_p), jnp.float32),
-                        pltpu.VMEM((bq, h, k_p), jnp.float32)],
+                        pltpu.VMEM((bq, h, k_p), jnp.float32)] + slot_rows.scratch(k_p, 1),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=passes * 2 * b * s_p * k_p * h * d_p, transcendentals=b * s_p * k_p,
