@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from csa_pallas import plans, reference, student as student_lib, validation
-from csa_pallas.kernels import student_gather, student_gather_kl, student_scores
+from csa_pallas.kernels import common, student_gather, student_gather_kl, student_scores
 from csa_pallas.validation import Problem
 
 TARGET_CHUNK_BYTES = 64 << 20  # the scores of one chunk, their gradient and the student terms, per batch row
@@ -142,8 +142,8 @@ def _check_gather_vmem(cfg, problem: Problem, index_q_shape):
     resident keys and dk's accumulator grow with N) is a ValueError here, not a Mosaic VMEM overflow at compile
     time (or an interpreter run that a TPU would refuse)."""
     heads, dim = index_q_shape[2:]
-    width = -(-problem.width // 128) * 128
-    need = student_gather.vmem_bytes(cfg, num_blocks=problem.num_blocks, heads=heads, head_dim=dim, width=width)
+    need = student_gather.vmem_bytes(cfg, num_blocks=problem.num_blocks, heads=heads, head_dim=dim,
+                                     width=common.round_up(problem.width, common.LANES))
     if need > cfg.vmem_limit_bytes:
         raise ValueError(
             f"student: StudentGatherConfig.vmem_limit_bytes: expected at least {need} bytes (the gather kernels' "

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from csa_pallas.kernels import runtime, slot_rows, student_scores
@@ -168,8 +169,6 @@ def test_declared_hbm_bytes_count_every_fetch():
 def _slot_rows_copy(slots, interpret):
     """Each query's row of an int32 [bq, 128] SMEM block, read through `slot_rows.for_each_query` (DMA'd into the
     static rows) and written out as f32 rows: the copy the kernels' per-slot loops read."""
-    from jax.experimental import pallas as pl
-
     def kernel(slots_ref, out_ref, buf_ref, sem_ref):
         def per_query(t, row):
             lane = jax.lax.broadcasted_iota(jnp.int32, (1, 128), 1)

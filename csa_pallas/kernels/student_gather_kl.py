@@ -37,7 +37,8 @@ from csa_pallas.kernels.common import NN, NT, TN
 
 
 def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_ref, dw_ref, dk_ref, stats_ref,
-            stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, buf_ref, sem_ref, *, operand, kl: fused_kl.FusedKL):
+            stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, buf_ref, sem_ref, *, operand,
+            kl: fused_kl.FusedKL):
     @pl.when(pl.program_id(2) == 0)  # the first query tile of this core's walk over a batch element
     def _():
         dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
