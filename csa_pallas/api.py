@@ -315,11 +315,13 @@ def fused_indexer_distill_loss(
       reduction, scale: as in `indexer_distill_loss`.
       index_head_chunk: indexer heads per step of the student (a divisor of H_I; default all, on the chunked
         Pallas path the largest divisor <= 8).
-      query_chunk: query rows per step of the Pallas path (a divisor of S; default: the largest whose scores stay
-        within ~64 MiB per batch row, `fused_student.default_query_chunk`).
-      student: how the chunked Pallas path computes the scores: "auto" (the student kernels in dense mode, XLA
-        in sparse mode), "pallas" (the kernels; dense mode only), "xla" (`student.scores`), or a
-        `StudentKernelConfig` (the kernels with those tiles). implementation="xla" takes "auto" or "xla".
+      query_chunk: query rows per step of the Pallas path (a divisor of S; default: S when the unchunked
+        program fits ~64 MiB per batch row, else the largest chunk whose arrays do,
+        `fused_student.default_query_chunk`).
+      student: how the chunked Pallas path computes the scores: "auto" (the student kernels: dense mode's tiled
+        kernels, sparse mode's gather kernels while index_k fits resident in VMEM, else XLA), "pallas" (the
+        kernels), "xla" (`student.scores`), or a `StudentKernelConfig` (dense) / `StudentGatherConfig` (sparse):
+        the kernels with that config. implementation="xla" takes "auto" or "xla".
 
     Pallas path: the loss is taken over chunks of query rows (`fused_student`), each chunk's scores (the student
     kernels, `kernels/student_scores.py`: the ReLU terms stay in VMEM, forward and backward) feeding the teacher +

@@ -55,6 +55,16 @@ def default_index_head_chunk(num_index_heads: int, sparse: bool = False) -> int:
     return max(c for c in range(1, min(num_index_heads, limit) + 1) if num_index_heads % c == 0)
 
 
+def unchunked_row_bytes(problem: Problem) -> int:
+    """Temp HBM per query row of the fused op in one chunk with the student kernels, per batch row: ~2.5 f32 [S, W]
+    arrays (W = N dense, K sparse), and in sparse mode ~2 bytes per block more (the selection's block bits and
+    tables). Measured on v5p compiles (Flash widths, H_I = 64, d_I = 128, forward + backward): dense 40.4 / 136.6
+    MiB at S = 4K / 8K (model 40 / 160); sparse K = 512 22.6 / 64.6 / 168.6 MiB at 4K / 8K / 16K (model 28 / 72
+    / 208)."""
+    row = 10 * max(problem.width, 1)
+    return row + 2 * problem.num_blocks if problem.sparse else row
+
+
 def default_query_chunk(problem: Problem, index_head_chunk: int, index_dim: int = 0,
                         student_kernels: bool = False, index_heads: int = 0) -> int:
     """The largest divisor of S (a multiple of 8, or S itself) whose chunk keeps one batch row's f32 [chunk, W]
@@ -64,8 +74,16 @@ def default_query_chunk(problem: Problem, index_head_chunk: int, index_dim: int 
     54, 91, 164 MiB at 128, 256, 512, 1024 rows). Sparse mode adds the XLA student's gathered keys,
     [chunk, K, d_I] f32 and their cotangent plus a bf16 copy (index_dim = d_I); with the sparse student kernels
     ~9 bytes per index_q element instead (its padded copy and dq; S = 32K, K = 512, H_I = 64, d_I = 128: temp
-    20.8 / 32.9 / 85.3 MiB at 256 / 512 / 1024 rows, static estimate 45.9 / 46.0 / 45.5 ms)."""
+    20.8 / 32.9 / 85.3 MiB at 256 / 512 / 1024 rows, static estimate 45.9 / 46.0 / 45.5 ms).
+
+    With the student kernels, S in one chunk whenever the unchunked program fits TARGET_CHUNK_BYTES
+    (`unchunked_row_bytes`): chunking adds each chunk's copy of its q rows ([chunk, H, D], which the teacher's
+    blocks are sliced from; in dense mode also made NaN on the readers of a non-finite block) and of index_q,
+    which at short context costs more memory and time than it saves (v5p, Flash widths, S = 4K: dense 184.0 MiB
+    temp in two chunks against 40.4 in one, sparse K = 512 42.4 in eight against 22.6)."""
     s, n = problem.seq_len, max(problem.width, 1)
+    if student_kernels and s * unchunked_row_bytes(problem) <= TARGET_CHUNK_BYTES:
+        return s
     per_row = 4 * n * (5 if student_kernels else 2 * index_head_chunk + 10)
     if problem.sparse:
         per_row += 9 * index_heads * index_dim if student_kernels else 10 * n * index_dim

@@ -3,8 +3,9 @@ the [B, S, N] shape's size indexed by blocks anywhere in the program (arguments,
 HBM of `memory_analysis()` within the query-chunked path's budget.
 
 Flash widths (H = 64, D = 512, m = 4), indexer H_I = 64, d_I = 128, bf16, dense per_head, forward + backward wrt
-the three indexer tensors, default chunks (the student kernels; query chunks of 256 rows at 32K, 64 at 128K).
-The student kernels alone compile at S = 4096 for every tile and operand variant.
+the three indexer tensors, default chunks (the student kernels; query chunks of 256 rows at 32K, 64 at 128K; one
+chunk at 4K, where the unchunked program fits). The student kernels alone compile at S = 4096 for every tile and
+operand variant.
 """
 
 import re
@@ -75,11 +76,30 @@ def test_no_scores_sized_array_at_long_context(seq, topk, temp_mib):
     assert 0 < report.temp_bytes <= temp_mib * MiB, report
 
 
+@pytest.mark.parametrize("topk, temp_mib", [(None, 44), (512, 26)], ids=["dense", "sparse_k512"])
+def test_short_context_runs_in_one_query_chunk(topk, temp_mib):
+    """S = 4096 with default chunks is one query chunk (`fused_student.default_query_chunk`): no chunk's copy of
+    q's rows ([B, chunk, H, D], chunk < S) in the program, and the unchunked program's temp (measured 40.4 MiB
+    dense, 22.6 sparse; the two dense chunks it used to take needed 184.0 MiB, the eight sparse ones 42.4). Dense:
+    the default student tiles with the causal schedule from the grid, and index_q and its gradient pass between
+    the program and the kernels as bitcasts (no relayout copy of an index_q-sized array; the [B, S, H_I * d_I]
+    lane layout cost two, 48.5 us each at this shape)."""
+    require_libtpu()
+    seq = 4096
+    compiled = _compile(seq, topk)
+    text = compiled.as_text()
+    chunk_copies = [rows for rows in re.findall(rf"bf16\[{B},(\d+),{H},{D}\]", text) if int(rows) < seq]
+    assert chunk_copies == [], chunk_copies
+    assert 0 < aot.memory_report(compiled).temp_bytes <= temp_mib * MiB
+    if topk is None:
+        assert "csa_student_scores" in text and "csa_student_grads" in text
+        assert _relayouts(text, seq) == []
+
+
 _QUICK = student_scores.StudentKernelConfig(block_q=64, block_k=256)
 
 
 @pytest.mark.parametrize("config, q_dtype, k_dtype, causal", [
-    (None, jnp.bfloat16, jnp.bfloat16, 4),
     (student_scores.StudentKernelConfig(block_q=64, block_k=256, trim_kv_tile=False), jnp.bfloat16, jnp.bfloat16,
      None),
     (_QUICK, jnp.float32, jnp.float32, 4),
@@ -88,8 +108,8 @@ _QUICK = student_scores.StudentKernelConfig(block_q=64, block_k=256)
 def test_student_kernels_compile(config, q_dtype, k_dtype, causal):
     """Forward and backward kernels at S = 4096, N = 1024, H_I = 64, d_I = 128 (bf16: one MXU pass forward, hi + lo
     backward; f32 or mixed: HIGHEST), the skipped tiles and trimmed prefixes from the table or (causal=m) from the
-    grid, kv tiles trimmed or whole. The default tiles' table schedule compiles in the 32K test above (query
-    chunks)."""
+    grid, kv tiles trimmed or whole. The default tiles compile inside the fused op: their table schedule in the
+    32K test above (query chunks), the grid's causal schedule in test_short_context_runs_in_one_query_chunk."""
     require_libtpu()
     seq, n = 4096, 1024
     struct = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype)
@@ -104,11 +124,13 @@ def test_student_kernels_compile(config, q_dtype, k_dtype, causal):
                                    jax.ShapeDtypeStruct((B, seq, n), jnp.float32))
     text = compiled.as_text()
     assert "csa_student_scores" in text and "csa_student_grads" in text
-    # index_q and its gradient pass between the program and the kernels as bitcasts: no relayout copy of an
-    # index_q-sized array (the [B, S, H_I * d_I] lane layout cost two, 48.5 us each at this shape).
-    relayouts = [(op, dims) for dims, op in re.findall(r"= \w+\[([0-9,]+)\]\{[^}]*\} ([\w-]+)\(", text)
-                 if _count(dims) == B * seq * H_I * D_I and op not in _BITCAST_OPS]
-    assert relayouts == [], relayouts
+    assert _relayouts(text, seq) == []
+
+
+def _relayouts(hlo_text: str, seq: int) -> list:
+    """(op, dims) of the XLA ops that write an index_q-sized array other than by a bitcast."""
+    return [(op, dims) for dims, op in re.findall(r"= \w+\[([0-9,]+)\]\{[^}]*\} ([\w-]+)\(", hlo_text)
+            if _count(dims) == B * seq * H_I * D_I and op not in _BITCAST_OPS]
 
 
 _BITCAST_OPS = ("parameter", "bitcast", "custom-call", "get-tuple-element")

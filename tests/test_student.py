@@ -135,6 +135,15 @@ def test_query_chunk_must_divide_s_and_default_chunks_fit():
     # the sparse student kernels: ~9 bytes per index_q element and 5 [chunk, K] f32 arrays a row, 799 rows fit
     assert fused_student.default_query_chunk(sparse, index_head_chunk=8, index_dim=128, student_kernels=True,
                                              index_heads=64) == 512
+    # One chunk where the unchunked program fits 64 MiB (chunking would add the chunks' copies of q and index_q):
+    # S = 4K (dense ~40 MiB, sparse ~28 MiB), not 8K (dense ~160 MiB, sparse ~72 MiB), nor with the XLA student.
+    for seq, width, chunked in ((4096, None, 4096), (8192, None, 1024), (4096, 512, 4096), (8192, 512, 512)):
+        shapes = validation.validate(jax.ShapeDtypeStruct((1, seq, 64, 512), jnp.bfloat16),
+                                     jax.ShapeDtypeStruct((1, seq // 4, 512), jnp.bfloat16), target="per_head")
+        if width is not None:
+            shapes = dataclasses.replace(shapes, topk_indices=jax.ShapeDtypeStruct((1, seq, width), jnp.int32))
+        assert fused_student.default_query_chunk(shapes, 8, 128, student_kernels=True, index_heads=64) == chunked
+    assert fused_student.default_query_chunk(dataclasses.replace(shapes, topk_indices=None), 8) < 4096
     assert fused_student.default_index_head_chunk(64) == 8 and fused_student.default_index_head_chunk(6) == 6
     assert fused_student.default_index_head_chunk(64, sparse=True) == 32
 
