@@ -137,13 +137,15 @@ def test_query_chunk_must_divide_s_and_default_chunks_fit():
                                              index_heads=64) == 512
     # One chunk where the unchunked program fits 64 MiB (chunking would add the chunks' copies of q and index_q):
     # S = 4K (dense ~40 MiB, sparse ~28 MiB), not 8K (dense ~160 MiB, sparse ~72 MiB), nor with the XLA student.
-    for seq, width, chunked in ((4096, None, 4096), (8192, None, 1024), (4096, 512, 4096), (8192, 512, 512)):
+    def flash(seq, width=None):
         shapes = validation.validate(jax.ShapeDtypeStruct((1, seq, 64, 512), jnp.bfloat16),
                                      jax.ShapeDtypeStruct((1, seq // 4, 512), jnp.bfloat16), target="per_head")
-        if width is not None:
-            shapes = dataclasses.replace(shapes, topk_indices=jax.ShapeDtypeStruct((1, seq, width), jnp.int32))
-        assert fused_student.default_query_chunk(shapes, 8, 128, student_kernels=True, index_heads=64) == chunked
-    assert fused_student.default_query_chunk(dataclasses.replace(shapes, topk_indices=None), 8) < 4096
+        topk = None if width is None else jax.ShapeDtypeStruct((1, seq, width), jnp.int32)
+        return dataclasses.replace(shapes, topk_indices=topk)
+    for seq, width, chunked in ((4096, None, 4096), (8192, None, 1024), (4096, 512, 4096), (8192, 512, 512)):
+        assert fused_student.default_query_chunk(flash(seq, width), 8, 128, student_kernels=True,
+                                                 index_heads=64) == chunked
+    assert fused_student.default_query_chunk(flash(4096), 8) == 512  # the XLA student: 630 rows of 64 MiB fit
     assert fused_student.default_index_head_chunk(64) == 8 and fused_student.default_index_head_chunk(6) == 6
     assert fused_student.default_index_head_chunk(64, sparse=True) == 32
 
