@@ -38,7 +38,7 @@ COLUMNS = [("program", "program", "s"), ("seq", "S", "i"), ("status", "status", 
 def cases(seq: int, chunks, index_chunks=()) -> list:
     """(program label, pass, fn, input names); every fn takes the inputs of `harness.input_structs`."""
     import csa_pallas
-    from csa_pallas.kernels import student_gather
+    from csa_pallas.kernels import selection, student_gather
     from benchmarks import xla_baseline
     m, w = SHAPE.ratio, SHAPE.window
 
@@ -87,12 +87,18 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
         two_kernels = student_gather.default_config(num_blocks=SHAPE.blocks(seq), heads=SHAPE.index_heads,
                                                     head_dim=SHAPE.index_dim, width=SPARSE_K)
         two_kernels = dataclasses.replace(two_kernels or student_gather.StudentGatherConfig(), fuse_kl=False)
-        for label, student in ((SPARSE_FUSED, "auto"), (SPARSE_TWO_KERNELS, two_kernels)):
-            def sparse_fused(iq, ik, iw, q, kv, topk, student=student):
+        gather = dataclasses.replace(two_kernels, fuse_kl=True)
+        for label, student, exact in ((SPARSE_FUSED, "auto", True), (SPARSE_DISTINCT, "auto", False),
+                                      (SPARSE_GATHER, gather, True), (SPARSE_TWO_KERNELS, two_kernels, True)):
+            def sparse_fused(iq, ik, iw, q, kv, topk, student=student, exact=exact):
                 # topk_indices come as [B, S, N] (every case's inputs share one width); the loss reads K = 512.
-                return jax.value_and_grad(lambda *x: csa_pallas.fused_indexer_distill_loss(
-                    *x, q, kv, topk_indices=topk[:, :, :SPARSE_K], compress_ratio=m, target="per_head",
-                    student=student), argnums=(0, 1, 2))(iq, ik, iw)
+                selection._EXACT_COUNTS_BRANCH = exact  # traced here: the switch holds while this traces
+                try:
+                    return jax.value_and_grad(lambda *x: csa_pallas.fused_indexer_distill_loss(
+                        *x, q, kv, topk_indices=topk[:, :, :SPARSE_K], compress_ratio=m, target="per_head",
+                        student=student), argnums=(0, 1, 2))(iq, ik, iw)
+                finally:
+                    selection._EXACT_COUNTS_BRANCH = True
             out.append((label, "fwd+bwd", sparse_fused, student_names + ["topk_indices"]))
     for c in index_chunks:
         def fused_student(iq, ik, iw, q, kv, c=c):
@@ -118,8 +124,13 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
 
 
 SPARSE_K = 512
-SPARSE_FUSED = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K} (student gather kernels, "
-                f"default query chunks, topk_indices sliced from [B, S, N])")
+SPARSE_FUSED = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K} (default student: the visit "
+                f"student where the sparse teacher takes its visit path, else the gather kernels; default query "
+                f"chunks, topk_indices sliced from [B, S, N])")
+SPARSE_DISTINCT = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K}, default student, the "
+                   f"duplicate-count branches compiled out (what runs when no row repeats an index, as top-k gives)")
+SPARSE_GATHER = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K}, the student gather kernels "
+                 f"forced (the default StudentGatherConfig)")
 SPARSE_TWO_KERNELS = (f"fwd+bwd fused_indexer_distill_loss per_head, sparse K={SPARSE_K}, the student's two-kernel "
                       f"route (the default StudentGatherConfig with fuse_kl=False: scores kernel, the teacher's fused "
                       f"KL, gradient kernel)")

@@ -275,8 +275,8 @@ def indexer_scores(
             raise ValueError("implementation='pallas': the student kernels run on one device's inputs; on inputs "
                              "living on a mesh use None or 'xla' (XLA partitions the XLA student)")
         if problem.sparse:
-            from csa_pallas import fused_student
-            cfg = fused_student.gather_config(problem, st.index_q.shape)
+            from csa_pallas import student_plan
+            cfg = student_plan.gather_config(problem, st.index_q.shape)
             if cfg is None:
                 raise ValueError(f"implementation='pallas': the sparse student kernels keep index_k resident in "
                                  f"VMEM, which N={problem.num_blocks} does not fit; use None or 'xla'")
@@ -317,11 +317,13 @@ def fused_indexer_distill_loss(
         Pallas path the largest divisor <= 8).
       query_chunk: query rows per step of the Pallas path (a divisor of S; default: S when the unchunked
         program fits ~64 MiB per batch row, else the largest chunk whose arrays do,
-        `fused_student.default_query_chunk`).
+        `student_plan.default_query_chunk`).
       student: how the chunked Pallas path computes the scores: "auto" (the student kernels: dense mode's tiled
-        kernels, sparse mode's gather kernels while index_k fits resident in VMEM, else XLA), "pallas" (the
-        kernels), "xla" (`student.scores`), or a `StudentKernelConfig` (dense) / `StudentGatherConfig` (sparse):
-        the kernels with that config. implementation="xla" takes "auto" or "xla".
+        kernels; sparse mode at short context the visit student, the tiled kernels with the KL over blocks
+        (`student_plan.visit_rule`), else the gather kernels while index_k fits resident in VMEM, else XLA),
+        "pallas" (the kernels), "xla" (`student.scores`), or a `StudentKernelConfig` (the tiled kernels; sparse:
+        the visit student) / `StudentGatherConfig` (sparse: the gather kernels) with that config.
+        implementation="xla" takes "auto" or "xla".
 
     Pallas path: the loss is taken over chunks of query rows (`fused_student`), each chunk's scores (the student
     kernels, `kernels/student_scores.py`: the ReLU terms stay in VMEM, forward and backward) feeding the teacher +
@@ -340,8 +342,8 @@ def fused_indexer_distill_loss(
                                       index_head_chunk=index_head_chunk)
     validation.check_reduction_args(reduction, scale)
     implementation = choose_implementation(problem)
-    from csa_pallas import fused_student
-    use_kernels, _ = fused_student.resolve_student(student, problem, st.index_q.shape)
+    from csa_pallas import fused_student, student_plan
+    use_kernels, _ = student_plan.resolve_student(student, problem, st.index_q.shape)
     if use_kernels and implementation != "pallas" and student != "auto":
         raise ValueError(f"student: the student kernels run on the Pallas path; with implementation="
                          f"{implementation!r} take 'auto' or 'xla', got {student!r}")
@@ -362,7 +364,7 @@ def fused_indexer_distill_loss(
         return placed
     placement.check_kernels_can_run_here(problem)
     if index_head_chunk is None:
-        st = dataclasses.replace(st, head_chunk=fused_student.default_index_head_chunk(st.num_heads,
+        st = dataclasses.replace(st, head_chunk=student_plan.default_index_head_chunk(st.num_heads,
                                                                                                problem.sparse))
     return fused_student.loss(st, problem, reduction=reduction, scale=scale, query_chunk=query_chunk,
                               student=student)

@@ -1,9 +1,12 @@
 """The fused student's Pallas path (SPEC §8): the loss over query chunks, so no [B, S, N] array exists.
 
-A `lax.scan` walks the queries in chunks of `query_chunk` rows. Each step computes the chunk's student scores
-(dense mode: the student kernels, `kernels/student_scores.py`, which keep the [rows, H_I, N] ReLU terms in VMEM
-forward and backward; sparse mode or student="xla": `student.scores`, XLA) and its per-row KL with the teacher +
-fused KL kernel (`plans.Plan.fused_kl_rows`: P stays in VMEM). The KL is row-local, so a chunk's rows need only its
+A `lax.scan` walks the queries in chunks of `query_chunk` rows (which student, and the chunk size:
+`student_plan`). Each step computes the chunk's student scores (dense mode: the student kernels,
+`kernels/student_scores.py`, which keep the [rows, H_I, N] ReLU terms in VMEM forward and backward; sparse mode:
+the same kernels over the blocks with the KL over blocks (the visit student, `sparse_blocks`), or the gather
+kernels over the slots; student="xla": `student.scores`, XLA) and its per-row KL with the teacher + fused KL
+kernel (`plans.Plan.fused_kl_rows`: P stays in VMEM; the visit student: the teacher's block-order P and the KL
+kernels). The KL is row-local, so a chunk's rows need only its
 own queries against every key; u (the window LSE of the joint target) is computed once for all queries by the
 window kernel before the scan (it needs each query's preceding keys).
 
@@ -36,72 +39,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from csa_pallas import plans, reference, student as student_lib, validation
-from csa_pallas.kernels import common, student_gather, student_gather_kl, student_scores
+from csa_pallas import plans, reference, sparse_blocks, student as student_lib, student_plan, validation
+from csa_pallas.kernels import student_gather, student_gather_kl, student_scores
 from csa_pallas.validation import Problem
-
-TARGET_CHUNK_BYTES = 64 << 20  # the scores of one chunk, their gradient and the student terms, per batch row
-MIN_QUERY_CHUNK = 64
-
-
-def default_index_head_chunk(num_index_heads: int, sparse: bool = False) -> int:
-    """The XLA student's heads per step on the chunked path: the largest divisor of H_I that is <= 8 in dense mode
-    (its [chunk, heads, N] terms are most of a chunk's memory), <= 32 in sparse mode ([chunk, heads, K] terms are
-    small; each step re-reads and re-accumulates the gathered keys' f32 cotangent, [chunk, K, d_I]). Sparse
-    estimates at S = 32K, K = 512, H_I = 64, d_I = 128 (fused op, forward + backward, BEST ESTIMATE): 284 / 184 /
-    133 / 110 ms at 4 / 8 / 16 / 32 heads per step; 64 (no scan) is 193, of which 101 is the estimator's HBM
-    floor counting the whole index_q for a fusion that slices one chunk of it (its bundle estimate: 88 vs 94)."""
-    limit = 32 if sparse else 8
-    return max(c for c in range(1, min(num_index_heads, limit) + 1) if num_index_heads % c == 0)
-
-
-def unchunked_row_bytes(problem: Problem) -> int:
-    """Temp HBM per query row of the fused op in one chunk with the student kernels, per batch row: ~2.5 f32 [S, W]
-    arrays (W = N dense, K sparse), and in sparse mode ~2 bytes per block more (the selection's block bits and
-    tables). Measured on v5p compiles (Flash widths, H_I = 64, d_I = 128, forward + backward): dense 40.4 / 136.6
-    MiB at S = 4K / 8K (model 40 / 160); sparse K = 512 22.6 / 64.6 / 168.6 MiB at 4K / 8K / 16K (model 28 / 72
-    / 208)."""
-    row = 10 * max(problem.width, 1)
-    return row + 2 * problem.num_blocks if problem.sparse else row
-
-
-def default_query_chunk(problem: Problem, index_head_chunk: int, index_dim: int = 0,
-                        student_kernels: bool = False, index_heads: int = 0) -> int:
-    """The largest divisor of S (a multiple of 8, or S itself) whose chunk keeps one batch row's f32 [chunk, W]
-    arrays within TARGET_CHUNK_BYTES, counted from v5p compiles: with the XLA student ~2 index_head_chunk + 10 of
-    them (its ReLU terms and dot products with their gradients, the scores and theirs, the kernel's operands);
-    with the student kernels (their terms stay in VMEM; the gradient in the forward pass) ~5 (S = 32K temp: 34,
-    54, 91, 164 MiB at 128, 256, 512, 1024 rows). Sparse mode adds the XLA student's gathered keys,
-    [chunk, K, d_I] f32 and their cotangent plus a bf16 copy (index_dim = d_I); with the sparse student kernels
-    ~9 bytes per index_q element instead (its padded copy and dq; S = 32K, K = 512, H_I = 64, d_I = 128: temp
-    20.8 / 32.9 / 85.3 MiB at 256 / 512 / 1024 rows, static estimate 45.9 / 46.0 / 45.5 ms).
-
-    With the student kernels, S in one chunk whenever the unchunked program fits TARGET_CHUNK_BYTES
-    (`unchunked_row_bytes`): chunking adds each chunk's copy of its q rows ([chunk, H, D], which the teacher's
-    blocks are sliced from; in dense mode also made NaN on the readers of a non-finite block) and of index_q,
-    which at short context costs more memory and time than it saves (v5p, Flash widths, S = 4K: dense 184.0 MiB
-    temp in two chunks against 40.4 in one, sparse K = 512 42.4 in eight against 22.6)."""
-    s, n = problem.seq_len, max(problem.width, 1)
-    if student_kernels and s * unchunked_row_bytes(problem) <= TARGET_CHUNK_BYTES:
-        return s
-    per_row = 4 * n * (5 if student_kernels else 2 * index_head_chunk + 10)
-    if problem.sparse:
-        per_row += 9 * index_heads * index_dim if student_kernels else 10 * n * index_dim
-    # At least MIN_QUERY_CHUNK rows: below, the kernels' query tiles run part-empty and the fixed per-chunk memory
-    # grows (v5p compiles at S = 128K: 16-row chunks took ~40% more temp than 64-row ones).
-    limit = max(TARGET_CHUNK_BYTES // per_row, MIN_QUERY_CHUNK)
-    if s <= limit:
-        return s
-    fits = [c for c in range(8, limit + 1, 8) if s % c == 0]
-    return max(fits) if fits else s
-
-
-def _check_query_chunk(query_chunk, seq_len: int) -> int:
-    chunk = validation._check_positive_int("query_chunk", query_chunk)
-    if seq_len % chunk:
-        raise ValueError(f"query_chunk: expected a divisor of S={seq_len}, got {chunk}")
-    return chunk
-
 
 def _chunk_problem(problem: Problem, rows: dict) -> Problem:
     """The teacher problem of one chunk of query rows against every key (u or F given per row)."""
@@ -123,68 +63,6 @@ def _poisoned(chunk: Problem, bad_block) -> Problem:
     gathers of [B, rows, K] (~45 ms of estimate over the chunks at S = 32K, K = 512)."""
     hit = reference.reads_bad_block(chunk, reference.support(chunk), bad_block)
     return dataclasses.replace(chunk, q=jnp.where(hit[:, :, None, None], jnp.nan, chunk.q).astype(chunk.q.dtype))
-
-
-STUDENTS = ("auto", "pallas", "xla")
-
-
-CONFIGS = (student_scores.StudentKernelConfig, student_gather.StudentGatherConfig)
-
-
-def resolve_student(student, problem: Problem, index_q_shape):
-    """student ("auto", "pallas", "xla", a `StudentKernelConfig` for dense mode or a `StudentGatherConfig` for
-    sparse mode) -> (use the kernels, the forced config or None). "auto": the kernels (dense: the tiled student
-    kernels; sparse: the gather kernels, `kernels/student_gather.py`, while index_k fits resident in VMEM).
-    index_q_shape: [B, S, H_I, d_I] (the gather kernels' VMEM need)."""
-    forced = student if isinstance(student, CONFIGS) else None
-    if forced is None:
-        validation.check_choice("student", student, STUDENTS)
-        if student == "xla":
-            return False, None
-    want = student_gather.StudentGatherConfig if problem.sparse else student_scores.StudentKernelConfig
-    if forced is not None and not isinstance(forced, want):
-        raise ValueError(f"student: {'sparse' if problem.sparse else 'dense'} mode's kernels take a "
-                         f"{want.__name__}, got {type(forced).__name__}")
-    if problem.sparse and forced is None and gather_config(problem, index_q_shape) is None:
-        if student == "auto":
-            return False, None
-        raise ValueError(f"student: the sparse student kernels keep index_k resident in VMEM, which N="
-                         f"{problem.num_blocks} does not fit; take student='auto' or 'xla'")
-    if problem.sparse and forced is not None:
-        _check_gather_vmem(forced, problem, index_q_shape)
-    return True, forced
-
-
-def _check_gather_vmem(cfg, problem: Problem, index_q_shape):
-    """A forced StudentGatherConfig whose VMEM limit is below its kernels' need (`student_gather.vmem_bytes`: the
-    resident keys and dk's accumulator grow with N) is a ValueError here, not a Mosaic VMEM overflow at compile
-    time (or an interpreter run that a TPU would refuse)."""
-    heads, dim = index_q_shape[2:]
-    need = student_gather.vmem_bytes(cfg, num_blocks=problem.num_blocks, heads=heads, head_dim=dim,
-                                     width=common.round_up(problem.width, common.LANES))
-    if need > cfg.vmem_limit_bytes:
-        raise ValueError(
-            f"student: StudentGatherConfig.vmem_limit_bytes: expected at least {need} bytes (the gather kernels' "
-            f"VMEM at N={problem.num_blocks}, H_I={heads}, d_I={dim}, K={problem.width}, block_q={cfg.block_q}, "
-            f"fuse_kl={cfg.fuse_kl}), got {cfg.vmem_limit_bytes}; student_gather.default_config sizes it")
-
-
-def kernel_config(student, problem: Problem, index_q_shape, rows=None):
-    """The config the student kernels run with (the forced one, else the default for a chunk of `rows` query rows,
-    S when None), or None where `resolve_student` takes the XLA student."""
-    use_kernels, forced = resolve_student(student, problem, index_q_shape)
-    if not use_kernels or forced is not None:
-        return forced
-    if problem.sparse:
-        return gather_config(problem, index_q_shape)
-    return student_scores.default_config(seq_len=rows or problem.seq_len, num_blocks=problem.num_blocks)
-
-
-def gather_config(problem: Problem, index_q_shape):
-    """The sparse student kernels' default config, or None when they do not fit (`student_gather`)."""
-    heads, dim = index_q_shape[2:]
-    return student_gather.default_config(num_blocks=problem.num_blocks, heads=heads, head_dim=dim,
-                                         width=problem.width)
 
 
 # The Problem fields that hold arrays: they travel into the custom_vjp as arguments (a static template keeps the
@@ -233,6 +111,7 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     # upcast) so their cotangent sums over chunks in f32; the MXU takes bf16 when both indexer inputs are bf16.
     operands = student_scores.operand_dtype(index_q.dtype, index_k.dtype)
     gathers = isinstance(ctx.kernel_config, student_gather.StudentGatherConfig)
+    visit = problem.sparse and kernels and not gathers  # the KL over blocks (`sparse_blocks`)
     if gathers:  # sparse: index_k resident in VMEM, f32 (its cotangent sums over chunks in f32)
         keys = student_gather.resident_keys(index_k)
     else:
@@ -265,6 +144,16 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
         shard = chunk_shard(part)
         plan = plans.plan_for(shard)
         fn = functools.partial(student_fn, part, shard)
+        if visit:  # block-order scores against the block-order target; nothing in slot order
+            layout = sparse_blocks.layout_of(shard)
+            target, sel = sparse_blocks.block_target(shard, layout)
+            kl_of = lambda logits: sparse_blocks.kl_rows(logits, target, sel, layout)
+            if not with_gradient:
+                return kl_of(fn(q_rows, k, w_rows))
+            logits, student_vjp = jax.vjp(fn, q_rows, k, w_rows)
+            kl, kl_vjp, nonempty = jax.vjp(kl_of, logits, has_aux=True)
+            (grad,) = kl_vjp(jnp.full(kl.shape, ctx.row_weight, kl.dtype))
+            return (kl, nonempty), student_vjp(grad)
         if not with_gradient:
             logits = fn(q_rows, k, w_rows)
             return plan.fused_kl_rows(logits, shard, plan.layout(shard, kl_logits_dtype=logits.dtype))
@@ -336,13 +225,15 @@ _kl_sum.defvjp(_kl_sum_fwd, _kl_sum_bwd)
 def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student, row_weight: float = 1.0):
     """(the static `_Chunks`, the teacher's arrays) of one chunked loss; u computed here for a joint target."""
     from csa_pallas import ops, ops_sparse
-    use_kernels, _ = resolve_student(student, problem, st.index_q.shape)
+    use_kernels, _ = student_plan.resolve_student(student, problem, st.index_q.shape)
+    visit = student_plan.visit_student(student, problem, st.index_q.shape)
     if query_chunk is None:
-        chunk = default_query_chunk(problem, st.head_chunk, st.index_q.shape[3], student_kernels=use_kernels,
-                                    index_heads=st.index_q.shape[2])
+        chunk = student_plan.default_query_chunk(problem, st.head_chunk, st.index_q.shape[3],
+                                                 student_kernels=use_kernels, index_heads=st.index_q.shape[2],
+                                                 visit=visit)
     else:
-        chunk = _check_query_chunk(query_chunk, problem.seq_len)
-    kernel_cfg = kernel_config(student, problem, st.index_q.shape, rows=chunk)
+        chunk = student_plan.check_query_chunk(query_chunk, problem.seq_len)
+    kernel_cfg = student_plan.kernel_config(student, problem, st.index_q.shape, rows=chunk)
     if problem.target == "joint" and problem.full_lse is None and problem.noncompressed_lse is None:
         problem = dataclasses.replace(problem, noncompressed_lse=lax.stop_gradient(ops.noncompressed_lse(problem)))
     # The teacher's key operands once for every chunk (not a cast and NaN fill per chunk), without a NaN-filled
@@ -355,7 +246,7 @@ def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student, ro
     #  * sparse visit path: the NaN-filled keys (short context: N is small there).
     many = chunk < problem.seq_len
     gather = False
-    if many and problem.sparse:  # the path depends on N, H and K only: the chunks take this one
+    if many and problem.sparse and not visit:  # the path depends on N, H and K only: the chunks take this one
         layout = ops_sparse.sparse_layout(problem, kl_logits_dtype=jnp.float32)
         gather = layout.path == "gather"
         if gather:

@@ -295,7 +295,7 @@ def teacher_distribution(problem: Problem, cfg=None) -> jax.Array:
     return jnp.maximum(teacher_padded(problem, layout)[:, :s, :k], 0.0)
 
 
-def _kl_schedule(batch: int, s_p: int, k_p: int, block_q: int):
+def kl_schedule(batch: int, s_p: int, k_p: int, block_q: int):
     bk = k_p if k_p <= MAX_KL_LANES else common.LANES
     nq, nk = s_p // block_q, k_p // bk
     schedule = schedule_lib.TileSchedule(causal=False, nq=nq, nk=nk, block_q=block_q, block_k=bk, ratio=1,
@@ -308,7 +308,7 @@ def _kl_schedule(batch: int, s_p: int, k_p: int, block_q: int):
 def kl_rows(indexer_logits, target_padded, layout: SparseLayout):
     """Per-row KL [B, S] over the K slots and the non-empty row mask [B, S] (V(t): the slots where P is not
     negative; NaN is visible)."""
-    schedule, firsts, counts = _kl_schedule(indexer_logits.shape[0], layout.padded_seq, layout.padded_width,
+    schedule, firsts, counts = kl_schedule(indexer_logits.shape[0], layout.padded_seq, layout.padded_width,
                                             layout.cfg.block_q)
     return loss_vjp.padded_kl_rows(indexer_logits, target_padded, qmeta=None, kmeta=None, firsts=firsts, counts=counts,
                               schedule=schedule, target_mask=True)

@@ -3,12 +3,14 @@
 every device (index_q [B, S, H_I, d_I] is sharded like the queries' rows, index_k [B, N, d_I] like the keys).
 
 Inside `jax.shard_map`, per device:
-  * no head axis: the shard's queries against every key through `fused_student` (query chunks, the student kernels,
-    the gradient in the forward pass for scalar reductions), so no [B, S, N] array exists on any device;
+  * no head axis: the shard's queries against every key through `fused_student` (query chunks, the student kernels
+    (sparse mode: the visit student or the gather kernels, `student_plan.visit_rule`), the gradient in the
+    forward pass for scalar reductions), so no [B, S, N] array exists on any device beyond a chunk's;
   * head axis: the teacher's head sums are reduce-scattered as in `sharding._local_target` (each head shard owns
     1/n_heads of the shard's rows, normalised there); the device scores its owned rows with the student (its
     kernels, or XLA where they do not fit) and takes their KL from that P, as the plain sharded loss does with
-    given logits; sparse mode with a scalar reduction instead runs one gather kernel per query tile for the
+    given logits (sparse mode: the gather kernels, whatever `visit_rule` says: that P is in slot order); sparse
+    mode with a scalar reduction instead runs one gather kernel per query tile for the
     scores, the KL against that P and the gradients, taken in the forward pass (`student_gather_kl`,
     `StudentGatherConfig.fuse_kl`).
 Each device returns its sum_t KL_t (or its rows, for reduction="none") and its non-empty rows; the reduction is
@@ -28,6 +30,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from csa_pallas import api, fused_student, placement, plans, reference, sharding, student as student_lib
+from csa_pallas import student_plan
 from csa_pallas import teacher_args, validation
 from csa_pallas.kernels import student_gather, student_gather_kl, student_scores
 
@@ -37,7 +40,10 @@ def _owned_rows_scores(st: student_lib.Student, rows_problem, start, student):
     rows = rows_problem.seq_len
     take = lambda x: lax.dynamic_slice_in_dim(x, start, rows, axis=1)
     owned = student_lib.Student(take(st.index_q), st.index_k, take(st.index_weights), st.head_chunk)
-    cfg = fused_student.kernel_config(student, rows_problem, st.index_q.shape)
+    if rows_problem.sparse:
+        cfg = student_plan.slot_order_config(student, rows_problem, st.index_q.shape)
+    else:
+        cfg = student_plan.kernel_config(student, rows_problem, st.index_q.shape)
     if cfg is None:
         return student_lib.scores(owned, rows_problem)
     if rows_problem.sparse:
@@ -52,7 +58,7 @@ def _owned_gather_config(st: student_lib.Student, rows_problem, student):
     """The gather kernels' config when the owned rows' gradient pass takes the one-kernel route, else None."""
     if not rows_problem.sparse:
         return None
-    cfg = fused_student.kernel_config(student, rows_problem, st.index_q.shape)
+    cfg = student_plan.slot_order_config(student, rows_problem, st.index_q.shape)
     return cfg if cfg is not None and cfg.fuse_kl else None
 
 
@@ -121,7 +127,9 @@ def sharded_fused_indexer_distill_loss(
     st = student_lib.validate_student(index_q, index_k, index_weights, batch=problem.batch, seq_len=problem.seq_len,
                                       num_blocks=problem.num_blocks, index_head_chunk=index_head_chunk)
     validation.check_reduction_args(reduction, scale)
-    fused_student.resolve_student(student, problem, st.index_q.shape)
+    student_plan.resolve_student(student, problem, st.index_q.shape)
+    if head_axis is not None and problem.sparse:  # the owned rows' target is in slot order
+        student_plan.slot_order_config(student, problem, st.index_q.shape)
     if query_chunk is not None and head_axis is not None:
         raise ValueError("query_chunk: with head_axis each device scores only the rows it owns (no query chunks); "
                          "drop query_chunk")
@@ -131,7 +139,7 @@ def sharded_fused_indexer_distill_loss(
                                               query_chunk=query_chunk, student=student)
     if index_head_chunk is None:
         st = student_lib.Student(st.index_q, st.index_k, st.index_weights,
-                                 fused_student.default_index_head_chunk(st.num_heads, problem.sparse))
+                                 student_plan.default_index_head_chunk(st.num_heads, problem.sparse))
     num_seq_shards, num_head_shards = sharding._axis_size(mesh, seq_axis), sharding._axis_size(mesh, head_axis)
     arrays, specs = sharding._shard_inputs(problem, axes)
     arrays.update(index_q=st.index_q, index_k=st.index_k, index_weights=st.index_weights)

@@ -16,7 +16,7 @@ import pytest
 
 import csa_pallas
 from aot_cases import require_libtpu
-from csa_pallas import aot
+from csa_pallas import aot, ops_sparse
 from csa_pallas.kernels import student_gather, student_gather_kl, student_scores
 
 MiB = 1 << 20
@@ -76,14 +76,16 @@ def test_no_scores_sized_array_at_long_context(seq, topk, temp_mib):
     assert 0 < report.temp_bytes <= temp_mib * MiB, report
 
 
-@pytest.mark.parametrize("topk, temp_mib", [(None, 44), (512, 26)], ids=["dense", "sparse_k512"])
+@pytest.mark.parametrize("topk, temp_mib", [(None, 44), (512, 56)], ids=["dense", "sparse_k512"])
 def test_short_context_runs_in_one_query_chunk(topk, temp_mib):
-    """S = 4096 with default chunks is one query chunk (`fused_student.default_query_chunk`): no chunk's copy of
+    """S = 4096 with default chunks is one query chunk (`student_plan.default_query_chunk`): no chunk's copy of
     q's rows ([B, chunk, H, D], chunk < S) in the program, and the unchunked program's temp (measured 40.4 MiB
-    dense, 22.6 sparse; the two dense chunks it used to take needed 184.0 MiB, the eight sparse ones 42.4). Dense:
-    the default student tiles with the causal schedule from the grid, and index_q and its gradient pass between
-    the program and the kernels as bitcasts (no relayout copy of an index_q-sized array; the [B, S, H_I * d_I]
-    lane layout cost two, 48.5 us each at this shape)."""
+    dense; sparse 52.9 with the visit student, whose [S, N] arrays are dense mode's plus the block-order target
+    and the duplicate counts' branch, 22.6 with the gather student; the two dense chunks it used to take needed
+    184.0 MiB, the eight sparse ones 42.4). The default student tiles with the causal schedule from the grid (sparse:
+    the visit student, `student_plan.visit_rule`, with the teacher's block-order target and the KL over blocks),
+    and, dense, index_q and its gradient pass between the program and the kernels as bitcasts (no relayout copy of
+    an index_q-sized array; the [B, S, H_I * d_I] lane layout cost two, 48.5 us each at this shape)."""
     require_libtpu()
     seq = 4096
     compiled = _compile(seq, topk)
@@ -91,9 +93,36 @@ def test_short_context_runs_in_one_query_chunk(topk, temp_mib):
     chunk_copies = [rows for rows in re.findall(rf"bf16\[{B},(\d+),{H},{D}\]", text) if int(rows) < seq]
     assert chunk_copies == [], chunk_copies
     assert 0 < aot.memory_report(compiled).temp_bytes <= temp_mib * MiB
-    if topk is None:
-        assert "csa_student_scores" in text and "csa_student_grads" in text
+    assert "csa_student_scores" in text and "csa_student_grads" in text
+    if topk is None:  # sparse "mean" divides by a data-dependent row count: one scaling pass over the gradient
         assert _relayouts(text, seq) == []
+    else:
+        assert re.search(r"csa_sparse_teacher_\w*_blocks", text) and "csa_kl_fwd" in text and "csa_kl_bwd" in text
+        assert "csa_student_gather" not in text
+
+
+@pytest.mark.parametrize("target, head_chunk, config", [
+    ("joint", None, {"cache_scores": False}),  # pass 2 recomputes the scores and each tile's slot counts
+    ("per_head", 16, None),  # head chunks: the block sums rescaled across chunks
+])
+def test_block_order_teacher_variants_compile(target, head_chunk, config):
+    """The visit student's block-order target (`sparse_blocks.block_target`) in the variants the fused op's 4K
+    default does not take, Flash widths, S = 2048, K = 512 (N = 512)."""
+    require_libtpu()
+    from csa_pallas import sparse_blocks, validation
+    seq, k = 2048, 512
+
+    def target_of(q, kv, topk, window_kv, sinks):
+        extra = dict(window_kv=window_kv, sinks=sinks) if target == "joint" else {}
+        problem = validation.validate(q, kv, topk_indices=topk, target=target, head_chunk=head_chunk,
+                                      window_size=128, implementation="pallas", **extra)
+        layout = ops_sparse.sparse_layout(problem, dict(config or {}, path="visit"))
+        return sparse_blocks.block_target(problem, layout)[0]
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    compiled = aot.compile_for_tpu(target_of, bf16(B, seq, H, D), bf16(B, seq // 4, D),
+                                   jax.ShapeDtypeStruct((B, seq, k), jnp.int32), bf16(B, seq, D),
+                                   jax.ShapeDtypeStruct((H,), jnp.float32))
+    assert re.search(r"csa_sparse_teacher_\w*_blocks", compiled.as_text())
 
 
 _QUICK = student_scores.StudentKernelConfig(block_q=64, block_k=256)

@@ -15,6 +15,7 @@ import pytest
 
 import csa_pallas
 from csa_pallas import sharded_student
+from csa_pallas.kernels.student_scores import StudentKernelConfig
 from kernel_cases import packed_ids
 from test_sharding import axis_kwargs, mesh_of
 
@@ -104,10 +105,12 @@ def test_teacher_side_gets_exact_zero_gradients():
     (dict(seq_axis="nope"), ValueError, "seq_axis: 'nope' is not an axis of the mesh"),
     (dict(student="tpu"), ValueError, "student: expected one of"),
     (dict(index_k=jnp.zeros((2, 15, 16))), ValueError, "index_k: expected shape"),
+    (dict(head_axis="heads", student=StudentKernelConfig(), topk=5), ValueError,
+     "student: with a head axis, sparse mode's rows take the gather kernels"),
 ])
 def test_errors_name_the_argument(overrides, error, match):
     mesh = mesh_of({"data": 2, "heads": 2})
-    c, kw = _case(4)
+    c, kw = _case(4, topk=overrides.pop("topk", None))
     args = dict(c, **{k: overrides.pop(k) for k in list(overrides) if k in c})
     with pytest.raises(error, match=match):
         sharded_student.sharded_fused_indexer_distill_loss(

@@ -116,24 +116,24 @@ def test_query_chunks_through_the_kernels(topk, target, reduction):
 
 
 def test_query_chunk_must_divide_s_and_default_chunks_fit():
-    from csa_pallas import fused_student, validation
+    from csa_pallas import student_plan, validation
     c, kw = make_student_case(12)
     with pytest.raises(ValueError, match="query_chunk: expected a divisor of S=32"):
         _loss_and_grads(c, kw, implementation="pallas", query_chunk=12)
     big = validation.validate(jax.ShapeDtypeStruct((1, 131072, 64, 512), jnp.bfloat16),
                               jax.ShapeDtypeStruct((1, 32768, 512), jnp.bfloat16), target="per_head")
-    chunk = fused_student.default_query_chunk(big, index_head_chunk=8)
-    assert chunk == fused_student.MIN_QUERY_CHUNK  # 64 MiB / (26 [chunk, N] f32 rows) would be 19 rows
+    chunk = student_plan.default_query_chunk(big, index_head_chunk=8)
+    assert chunk == student_plan.MIN_QUERY_CHUNK  # 64 MiB / (26 [chunk, N] f32 rows) would be 19 rows
     small = validation.validate(jax.ShapeDtypeStruct((1, 32768, 64, 512), jnp.bfloat16),
                                 jax.ShapeDtypeStruct((1, 8192, 512), jnp.bfloat16), target="per_head")
-    assert fused_student.default_query_chunk(small, index_head_chunk=8) == 64  # 78 rows fit: the largest divisor
+    assert student_plan.default_query_chunk(small, index_head_chunk=8) == 64  # 78 rows fit: the largest divisor
     # the student kernels: 409 rows fit
-    assert fused_student.default_query_chunk(small, index_head_chunk=8, student_kernels=True) == 256
+    assert student_plan.default_query_chunk(small, index_head_chunk=8, student_kernels=True) == 256
     sparse = dataclasses.replace(small, topk_indices=jax.ShapeDtypeStruct((1, 32768, 512), jnp.int32))
     # the XLA student's gathered keys [chunk, K, d_I]: 94 rows of 64 MiB at K = 512, d_I = 128
-    assert fused_student.default_query_chunk(sparse, index_head_chunk=8, index_dim=128) == 64
+    assert student_plan.default_query_chunk(sparse, index_head_chunk=8, index_dim=128) == 64
     # the sparse student kernels: ~9 bytes per index_q element and 5 [chunk, K] f32 arrays a row, 799 rows fit
-    assert fused_student.default_query_chunk(sparse, index_head_chunk=8, index_dim=128, student_kernels=True,
+    assert student_plan.default_query_chunk(sparse, index_head_chunk=8, index_dim=128, student_kernels=True,
                                              index_heads=64) == 512
     # One chunk where the unchunked program fits 64 MiB (chunking would add the chunks' copies of q and index_q):
     # S = 4K (dense ~40 MiB, sparse ~28 MiB), not 8K (dense ~160 MiB, sparse ~72 MiB), nor with the XLA student.
@@ -143,11 +143,11 @@ def test_query_chunk_must_divide_s_and_default_chunks_fit():
         topk = None if width is None else jax.ShapeDtypeStruct((1, seq, width), jnp.int32)
         return dataclasses.replace(shapes, topk_indices=topk)
     for seq, width, chunked in ((4096, None, 4096), (8192, None, 1024), (4096, 512, 4096), (8192, 512, 512)):
-        assert fused_student.default_query_chunk(flash(seq, width), 8, 128, student_kernels=True,
+        assert student_plan.default_query_chunk(flash(seq, width), 8, 128, student_kernels=True,
                                                  index_heads=64) == chunked
-    assert fused_student.default_query_chunk(flash(4096), 8) == 512  # the XLA student: 630 rows of 64 MiB fit
-    assert fused_student.default_index_head_chunk(64) == 8 and fused_student.default_index_head_chunk(6) == 6
-    assert fused_student.default_index_head_chunk(64, sparse=True) == 32
+    assert student_plan.default_query_chunk(flash(4096), 8) == 512  # the XLA student: 630 rows of 64 MiB fit
+    assert student_plan.default_index_head_chunk(64) == 8 and student_plan.default_index_head_chunk(6) == 6
+    assert student_plan.default_index_head_chunk(64, sparse=True) == 32
 
 
 @settings(max_examples=6, deadline=None)
@@ -342,8 +342,6 @@ def test_fused_op_student_choices():
 
 @pytest.mark.parametrize("change, match", [
     (dict(student="gpu"), "student: expected one of"),
-    (dict(student=sk.StudentKernelConfig(), topk_indices=True),
-     "student: sparse mode's kernels take a StudentGatherConfig, got StudentKernelConfig"),
     (dict(student=StudentGatherConfig()), "student: dense mode's kernels take a StudentKernelConfig, got "
                                           "StudentGatherConfig"),
     (dict(student="pallas", implementation="xla"), "student: the student kernels run on the Pallas path"),
@@ -361,11 +359,13 @@ def test_student_choice_errors_name_the_argument(change, match):
                                               c["compressed_kv"], **kw, **change)
 
 
-@pytest.mark.parametrize("student", ["pallas", "xla"])
-def test_per_row_losses_differentiate_through_the_rematerialised_chunks(student):
+@pytest.mark.parametrize("student, topk", [("pallas", None), ("xla", None),
+                                           (sk.StudentKernelConfig(block_q=16, block_k=128), 7)],
+                         ids=["pallas", "xla", "sparse_visit"])
+def test_per_row_losses_differentiate_through_the_rematerialised_chunks(student, topk):
     """reduction="none" (a cotangent per row) takes the checkpointed scan, not the gradient-in-forward path: its
-    rows and the gradients of a weighted sum of them match the reference."""
-    c, kw = make_student_case(13, batch=2, seq=64, num_docs=2, loss_mask=True)
+    rows and the gradients of a weighted sum of them match the reference (sparse_visit: the KL over blocks)."""
+    c, kw = make_student_case(13, batch=2, seq=64, num_docs=2, loss_mask=True, topk=topk)
     weights = jnp.asarray(np.random.default_rng(0).random((2, 64)), jnp.float32)
 
     def weighted(implementation, **options):

@@ -244,6 +244,9 @@ class SlotSelection:
     width_p: int
     table_words: int
     fold: int
+    # P in block order ([bq, N_p], each block weighted by its slot count) instead of slot order: the sparse
+    # student kernels' KL takes the target over blocks (`ops_sparse.block_target`).
+    block_order: bool = False
 
 
 class InKernel:

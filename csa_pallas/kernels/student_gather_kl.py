@@ -19,7 +19,7 @@ a NaN row stays NaN) instead of reading the student's scores, and this kernel, p
      to discarded rows with a count of 0: `student_gather.scatter_plan` with the validity as the cotangent
      (the slots outside V(t) read the zero row R, so they never share a row with a valid slot).
 
-Static v5p estimates (S = 32K, K = 512, H_I = 64, d_I = 128, bf16) are in `fused_student.default_query_chunk`.
+Static v5p estimates (S = 32K, K = 512, H_I = 64, d_I = 128, bf16) are in `student_plan.default_query_chunk`.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def normalize_rows(head_sum: jax.Array) -> jax.Array:
 def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cfg: TeacherConfig, scale: float,
                    schedule: schedule_lib.TileSchedule, normalize: bool = True,
                    kl: Optional[fused_kl.FusedKL] = None, logits=None, seq_len: Optional[int] = None,
-                   picks=None, interpret=False):
+                   picks=None, block_order: bool = False, interpret=False):
     """Runs the dense teacher kernel on padded, prepared inputs.
 
     Args:
@@ -69,6 +69,9 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         values), the slot bits int32 [B, S_p, K_p / 32] (V(t)), the block bits int32 [B, S_p, W_p], the
         per-query-tile flags; cfg.block_k a multiple of 128 dividing 4096. The kernel then reads V(t) from them
         (qmeta/kmeta are not read) and P is in slot order.
+      block_order: sparse mode without `kl`, normalize=True: P in block order [B, S_p, N_p], each block weighted
+        by its slot count among the row's valid slots (sum over slots, so rows still sum to 1; 0 on unselected
+        blocks), for a KL over blocks (`ops_sparse.block_target`).
 
     Returns:
       P, f32 [B, S_p, N_p] (sparse: [B, S_p, K_p], EMPTY_SLOT on empty slots), rows L1-normalised (0 outside
@@ -110,10 +113,17 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
             raise ValueError(f"slot_fold: the transposed counts need block_q ({bq}) to divide or be a multiple of "
                              f"128 and block_k ({bk}) a multiple of {slot_counts.COUNTER_FIELDS * common.SUBLANES}")
         sel = selection.SlotSelection(width_p=width_p, table_words=1 + common.cdiv(nk, selection.WORD_BITS),
-                                      fold=can_fold if cfg.slot_fold is None or cfg.slot_fold else 0)
+                                      fold=can_fold if cfg.slot_fold is None or cfg.slot_fold else 0,
+                                      block_order=block_order)
+        if block_order:
+            if kl is not None or not normalize:
+                raise ValueError("block_order: the block-order target is normalised and takes no fused KL")
+            width_p = n_p  # the output's width; sel.width_p stays K_p (the slots)
         # a third scalar prefetch (the tables): the walk's maps take the first two
         maps = {name: (lambda m: lambda p, c, step, firsts_ref, counts_ref, tables_ref: m(
             p, c, step, firsts_ref, counts_ref))(m) for name, m in maps.items()}
+    elif block_order:
+        raise ValueError("block_order: needs the selection (picks)")
 
     in_specs = [
         pl.BlockSpec((None, bq, group, d), maps["q"]),
@@ -128,7 +138,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     operands = [q, kv, qmeta, kmeta]
     if sel is not None:
         nw = vbits.shape[2]
-        in_specs += [pl.BlockSpec((None, bq, width_p), maps["row"]), pl.BlockSpec((None, bq, width_p), maps["qrow"]),
+        k_p = sel.width_p
+        in_specs += [pl.BlockSpec((None, bq, k_p), maps["row"]), pl.BlockSpec((None, bq, k_p), maps["qrow"]),
                      pl.BlockSpec((None, bq, nw), maps["row"]), pl.BlockSpec((None, bq, nw), maps["qrow"]),
                      pl.BlockSpec((None, bq, bits.shape[2]), maps["qrow"])]
         operands += [idx, idx, vbits, vbits, bits]
@@ -170,7 +181,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     if sel is not None:
         scratch.append(pltpu.VMEM((bq, bk), jnp.float32))  # exact slot weights of a tile with duplicates
         if sel.fold:
-            scratch.append(pltpu.VMEM((width_p // sel.fold, sel.fold * bq), jnp.int32))
+            scratch.append(pltpu.VMEM((sel.width_p // sel.fold, sel.fold * bq), jnp.int32))
     kernel = functools.partial(teacher_phases.kernel, mode=mode, walk=walk, nh=nh, layout=layout, group=group, scale=scale,
                                normalize=normalize, straight_pass2=straight_pass2, kl=kl, seq_len=seq_len, sel=sel)
     order = "tok" if layout.token_major else "head"
@@ -194,7 +205,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
                                     + bits.size * 4),
         interpret=interpret,
         name=f"csa_{'sparse_' if sel else ''}teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}_{kind}"
-             f"{'_cached' if cached else ''}{'_kl' if kl else ''}",
+             f"{'_cached' if cached else ''}{'_kl' if kl else ''}{'_blocks' if block_order else ''}",
     )(firsts, counts, *([] if sel is None else [tables]), *operands)
 
 

@@ -255,6 +255,10 @@ class TeacherStep:
         schedule, at, bk, chunk, cache_ref = self.schedule, self.at, self.bk, self.chunk, self.cache_ref
 
         def accumulate(tile_k, z):
+            if self.sel is not None and self.sel.block_order:  # z cached with the slot counts: c 2^(z - G)
+                self.picks.when_selected(self.out_qi, tile_k,
+                                         lambda: self.add_probs(z, tile_k, self.f_ref[...][..., :self.lanes]))
+                return
             if self.sel is not None:  # sum_h 2^(z - G) of the tile's blocks, written in slot order
                 self.picks.when_selected(self.out_qi, tile_k,
                                          lambda: self.picks.gather_to_slots(self.out_ref, self.probs_of(z), tile_k))
@@ -334,10 +338,11 @@ class TeacherStep:
             stats = common.online_lse_update(m_ref, l_ref, z_lse, self.lanes, first=first, base2=True,
                                              store=not last)
             if self.cache_scores:
+                cached = z_lse if sel is not None and sel.block_order else z  # block order: pass 2 weighs by c
                 if width == self.bk:
-                    self.cache_ref[self.k] = z
+                    self.cache_ref[self.k] = cached
                 else:
-                    self.cache_ref[self.k, ..., :width] = z
+                    self.cache_ref[self.k, ..., :width] = cached
             if last:
                 # F right behind the last matmul: its cross-lane reductions (XLU) and exponentials share the
                 # MXU-bound step instead of opening pass 2.
@@ -382,6 +387,10 @@ class TeacherStep:
 
         def work(first, masked, width):
             z = self.scores(masked, width)
+            if sel is not None and sel.block_order:  # each block weighted by its slot count
+                f = self.finish_f() if first else self.f_ref[...]
+                self.add_probs(self.picks.weighted(z, width, self.layout), self.tile, f[..., :self.lanes])
+                return
             if sel is not None:
                 if first:
                     self.finish_f()
@@ -392,6 +401,8 @@ class TeacherStep:
             f = self.finish_f() if first else self.f_ref[...]
             self.add_probs(z, self.tile, f[..., :self.lanes])
 
+        if sel is not None and sel.block_order:  # pass 2's tile needs its slot counts again (not cached)
+            self.picks.exact_weights(jnp.logical_not(self.in_pass1) & self.active)
         self.visit_tile(functools.partial(tile_step, True), cond=jnp.logical_not(self.in_pass1) & (self.k == 0))
         self.visit_tile(functools.partial(tile_step, False), cond=jnp.logical_not(self.in_pass1) & (self.k > 0))
 
@@ -403,7 +414,7 @@ class TeacherStep:
             standalone = (step == at.last_step) & (jnp.logical_not(self.active) | self.own_pass2) \
                 if self.epilogue_in_pass1 else ((c == nh - 1) & (step == at.last_step))
             pl.when(standalone)(self.fused_epilogue)
-        elif self.sel is not None:
+        elif self.sel is not None and not self.sel.block_order:
             @pl.when((c == nh - 1) & (step == at.last_step))
             def _():
                 selection.write_slots(self.out_ref, self.out_ref[...], self.picks.valid_slots(0, self.sel.width_p),
@@ -414,11 +425,14 @@ class TeacherStep:
             def _():
                 acc = self.out_ref[...]
                 total = jnp.sum(acc, axis=1, keepdims=True)
+                p = acc / jnp.maximum(total, common.F32_TINY)
+                if self.sel is not None:  # block order: the caller masks by the block bits (NaN rows stay NaN)
+                    self.out_ref[...] = p
+                    return
                 # 0 outside V(t), also on a NaN row (there pass 2's exp2(-inf - NaN) is NaN on every entry).
                 visible_at, _ = dense_visibility(self.seq_len, self.qmeta_ref, self.krow_ref, qi=self.out_qi,
                                                  schedule=self.schedule)
-                self.out_ref[...] = jnp.where(visible_at(0, acc.shape[1]),
-                                              acc / jnp.maximum(total, common.F32_TINY), 0.0)
+                self.out_ref[...] = jnp.where(visible_at(0, acc.shape[1]), p, 0.0)
         else:  # the head sum stays unnormalised; the rows' M goes out with it
             @pl.when((c == nh - 1) & (step == at.last_step))
             def _():
