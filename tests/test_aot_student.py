@@ -228,6 +228,29 @@ def test_head_sharded_sparse_fused_op_compiles_with_the_one_kernel_gradient_pass
     assert "csa_student_gather_kl_grads" in text and "csa_student_gather_scores" not in text
 
 
+def test_sequence_sharded_sparse_fused_op_compiles_with_the_visit_student():
+    """Sparse K = 512 at S = 4096 on v5p:2x2x2 with the sequence over 8 chips: each device's 512 query rows run the
+    visit student (`student_plan.visit_rule` on the local problem) inside shard_map."""
+    require_libtpu()
+    from jax.sharding import PartitionSpec as P
+    seq, k, topology, axes = 4096, 512, "v5p:2x2x2", {"seq": 8}
+    n = seq // 4
+    mesh = aot.tpu_mesh(topology, axes)
+    st = lambda shape, spec, dtype=jnp.bfloat16: aot.sharded_struct(shape, dtype, mesh, spec)
+
+    def program(iq, ik, iw, q, kv, topk):
+        loss = lambda *x: csa_pallas.sharded_fused_indexer_distill_loss(
+            mesh, *x, q, kv, topk_indices=topk, seq_axis="seq", target="per_head")
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(iq, ik, iw)
+    compiled = aot.compile_for_tpu(
+        program, st((B, seq, H_I, D_I), P(None, "seq", None, None)), st((B, n, D_I), P(None, None, None)),
+        st((B, seq, H_I), P(None, "seq", None)), st((B, seq, H, D), P(None, "seq", None, None)),
+        st((B, n, D), P(None, None, None)), st((B, seq, k), P(None, "seq", None), jnp.int32), topology=topology)
+    text = compiled.as_text()
+    assert "csa_student_scores" in text and "csa_student_grads" in text and "csa_student_gather" not in text
+    assert re.search(r"csa_sparse_teacher_\w*_blocks", text)
+
+
 @pytest.mark.parametrize("q_dtype, k_dtype, config", [
     (jnp.bfloat16, jnp.bfloat16, None), (jnp.float32, jnp.float32, None),
     (jnp.bfloat16, jnp.float32, None),  # bf16 queries, f32 operands
