@@ -14,6 +14,8 @@ Walks (grid (rows, H/hc, steps)):
     causal tile counts add up to nearly the same number, walked back to back, so no step idles; merged: the
     second tile's pass 2 runs in its own last pass-1 step.
 
+`dense_visibility` is the dense support V(t) of one query tile inside a kernel step, from the same schedule.
+
 Integer division in maps uses `index_div` / `index_rem` (see `common`).
 """
 
@@ -23,6 +25,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 
 from csa_pallas.kernels.common import index_div, index_rem, zigzag
 
@@ -283,3 +287,21 @@ def enumerate_steps(walk: TeacherWalk, *, batch: int, num_chunks: int, firsts=No
                 v = walk.decode(jnp.int32(p), jnp.int32(c), jnp.int32(step), firsts, counts)
                 yield p, c, step, StepView(**{f.name: py(jax.device_get(getattr(v, f.name)))
                                               for f in dataclasses.fields(StepView)})
+
+
+def dense_visibility(seq_len: int, qmeta_ref, krow_ref, *, qi, schedule: TileSchedule):
+    """(visible_at(start, width) -> bool [bq, width], non-empty rows [bq, 1] or None) for the dense support V(t);
+    seq_len: the real query rows (later rows are padding and see nothing)."""
+    bq = schedule.block_q
+    if schedule.causal:  # row t sees blocks j < limit[t] (complete blocks, real rows only)
+        t = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+        limit = jnp.minimum(index_div(t + 1, schedule.ratio), schedule.num_blocks)
+        limit = jnp.where(t < seq_len, limit, 0)
+        return (lambda start, width: start + lax.broadcasted_iota(jnp.int32, (bq, width), 1) < limit), limit > 0
+
+    def visible_at(start, width):
+        segment = krow_ref[0:1, pl.ds(start, width)]
+        end = krow_ref[1:2, pl.ds(start, width)]
+        return (segment == qmeta_ref[:, 0:1]) & (end <= qmeta_ref[:, 1:2])
+
+    return visible_at, None

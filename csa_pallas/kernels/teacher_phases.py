@@ -101,8 +101,8 @@ class TeacherStep:
             fused_kl.kl_epilogue(kl, self.out_ref, self.logits_ref, self.stats_ref, self.grad_ref, mask_target=True,
                                  visible_at=self.picks.valid_slots)
             return
-        visible_at, nonempty = dense_visibility(kl.seq_len, self.qmeta_ref, self.krow_ref, qi=self.out_qi,
-                                                schedule=self.schedule)
+        visible_at, nonempty = schedule_lib.dense_visibility(kl.seq_len, self.qmeta_ref, self.krow_ref,
+                                                             qi=self.out_qi, schedule=self.schedule)
         fused_kl.kl_epilogue(kl, self.out_ref, self.logits_ref, self.stats_ref, self.grad_ref, visible_at=visible_at,
                              nonempty_rows=nonempty)
 
@@ -430,8 +430,8 @@ class TeacherStep:
                     self.out_ref[...] = p
                     return
                 # 0 outside V(t), also on a NaN row (there pass 2's exp2(-inf - NaN) is NaN on every entry).
-                visible_at, _ = dense_visibility(self.seq_len, self.qmeta_ref, self.krow_ref, qi=self.out_qi,
-                                                 schedule=self.schedule)
+                visible_at, _ = schedule_lib.dense_visibility(self.seq_len, self.qmeta_ref, self.krow_ref,
+                                                              qi=self.out_qi, schedule=self.schedule)
                 self.out_ref[...] = jnp.where(visible_at(0, acc.shape[1]), p, 0.0)
         else:  # the head sum stays unnormalised; the rows' M goes out with it
             @pl.when((c == nh - 1) & (step == at.last_step))
@@ -456,21 +456,3 @@ def kernel(*refs, **static):
     if not step.cache_scores:
         step.walked_pass2()
     step.finish()
-
-
-def dense_visibility(seq_len: int, qmeta_ref, krow_ref, *, qi, schedule: schedule_lib.TileSchedule):
-    """(visible_at(start, width) -> bool [bq, width], non-empty rows [bq, 1] or None) for the dense support V(t);
-    seq_len: the real query rows (later rows are padding and see nothing)."""
-    bq = schedule.block_q
-    if schedule.causal:  # row t sees blocks j < limit[t] (complete blocks, real rows only)
-        t = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-        limit = jnp.minimum(common.index_div(t + 1, schedule.ratio), schedule.num_blocks)
-        limit = jnp.where(t < seq_len, limit, 0)
-        return (lambda start, width: start + lax.broadcasted_iota(jnp.int32, (bq, width), 1) < limit), limit > 0
-
-    def visible_at(start, width):
-        segment = krow_ref[0:1, pl.ds(start, width)]
-        end = krow_ref[1:2, pl.ds(start, width)]
-        return (segment == qmeta_ref[:, 0:1]) & (end <= qmeta_ref[:, 1:2])
-
-    return visible_at, None
