@@ -123,11 +123,13 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     # The keys are not NaN-filled (`_prepare`): the blocks holding a non-finite value, once.
     bad_block = reference.non_finite_blocks(problem.compressed_kv) if ctx.poison_rows else None
 
-    def chunk_shard(part):
+    def chunk_shard(part, start):
         # One chunk: the problem itself (default ids keep the kernels' causal schedule, computed from the grid).
         if num_chunks == 1:
             return dataclasses.replace(problem, noncompressed_lse=part.get("noncompressed_lse"))
         shard = _chunk_problem(problem, part)
+        if problem.sparse:  # the gather path's teacher reads the chunk's q rows in place (`Problem.q_window`)
+            shard = dataclasses.replace(shard, q_window=(problem.q, start))
         return _poisoned(shard, bad_block) if ctx.poison_rows else shard
 
     def student_fn(part, shard, q_rows, k, w_rows):
@@ -139,9 +141,9 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
         return student_scores.scores(q_rows, k, w_rows, part["positions"], block_end, ctx.kernel_config,
                                      causal_ratio=causal_ratio)
 
-    def chunk_rows(start, q_rows, k, w_rows):
+    def chunk_rows(start, q_rows, k, w_rows, dk_partials=None):
         part = {name: lax.dynamic_slice_in_dim(v, start, chunk, axis=1) for name, v in rows.items()}
-        shard = chunk_shard(part)
+        shard = chunk_shard(part, start)
         plan = plans.plan_for(shard)
         fn = functools.partial(student_fn, part, shard)
         if visit:  # block-order scores against the block-order target; nothing in slot order
@@ -162,7 +164,7 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
             target = plan.teacher(shard, plan.layout(shard, kl_logits_dtype=jnp.float32))
             kl, nonempty, grads = student_gather_kl.loss_and_grads(
                 q_rows, k, w_rows, part["topk_indices"], target, operands, ctx.kernel_config,
-                grad_scale=ctx.row_weight)
+                grad_scale=ctx.row_weight, dk_partials=dk_partials)
             return (kl, nonempty), grads
         logits, student_vjp = jax.vjp(fn, q_rows, k, w_rows)
         kl, nonempty, grad = plan.fused_kl_rows(logits, shard, plan.layout(shard, kl_logits_dtype=logits.dtype),
@@ -179,17 +181,25 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
                                      (starts, *scanned))
         return _unstack_chunks(kl), _unstack_chunks(nonempty)
 
+    # The one-kernel gradient pass adds each chunk's dk to the TensorCores' running sums in place (the carry is
+    # aliased to its output): no [R, d_p] partial sums written, re-read and added in XLA per chunk.
+    in_kernel_dk = gathers and ctx.kernel_config.fuse_kl
+
     def step(carry, start):
         # No autodiff here: the rows are sliced in place and their gradients written in place (no stacked copies).
         dk_total, dq_all, dw_all = carry
         rows_of = lambda x: lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
-        (kl, nonempty), (dq, dk, dw) = chunk_rows(start, rows_of(index_q), keys, rows_of(index_weights))
+        (kl, nonempty), (dq, dk, dw) = chunk_rows(start, rows_of(index_q), keys, rows_of(index_weights),
+                                                  dk_partials=dk_total if in_kernel_dk else None)
         dq_all = lax.dynamic_update_slice_in_dim(dq_all, dq.astype(dq_all.dtype), start, axis=1)
         dw_all = lax.dynamic_update_slice_in_dim(dw_all, dw.astype(dw_all.dtype), start, axis=1)
-        return (dk_total + dk, dq_all, dw_all), (kl, nonempty)
+        return (dk if in_kernel_dk else dk_total + dk, dq_all, dw_all), (kl, nonempty)
 
-    init = (jnp.zeros_like(keys), jnp.zeros_like(index_q), jnp.zeros_like(index_weights))
+    dk_init = student_gather_kl.dk_partials_zeros(keys) if in_kernel_dk else jnp.zeros_like(keys)
+    init = (dk_init, jnp.zeros_like(index_q), jnp.zeros_like(index_weights))
     (dk_total, dq, dw), (kl, nonempty) = lax.scan(step, init, starts)
+    if in_kernel_dk:
+        dk_total = student_gather_kl.finish_dk_partials(dk_total, keys.shape[1] - student_gather.ZERO_ROWS)
     if kernels:  # the padded keys' cotangent -> index_k's
         dk_total = dk_total[:, :index_k.shape[1], :index_k.shape[2]]
     return _unstack_chunks(kl), _unstack_chunks(nonempty), (dq, dk_total, dw)

@@ -232,6 +232,13 @@ def resident_keys(problem: Problem, layout: SparseLayout) -> jax.Array:
     return sparse_gather.resident_rows(ops.pad_axis(ops.kernel_keys(problem), 1, layout.padded_blocks))
 
 
+def in_place_rows(problem: Problem, layout: SparseLayout) -> bool:
+    """Whether the gather path reads the problem's q rows in place from `problem.q_window` (see `Problem`)."""
+    return (problem.q_window is not None and layout.path == "gather" and layout.padded_seq == problem.seq_len
+            and problem.seq_len % layout.cfg.block_q == 0
+            and problem.q_window[0].dtype == ops.compute_dtype(problem.q, problem.compressed_kv))
+
+
 def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
     """(mode, q, kv, lse_in): the sparse kernels' padded operands (stop-gradient; the gather path's kv as its
     resident rows, `sparse_gather.resident_rows`); reduce_low: see `ops.lse_blocks`."""
@@ -241,6 +248,10 @@ def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
     q = ops.pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
     to_hbm = None
     if layout.path == "gather":
+        if in_place_rows(problem, layout):
+            q_all, first_row = problem.q_window
+            first_tile = (first_row // layout.cfg.block_q).astype(jnp.int32).reshape(1)
+            q = sparse_gather.RowWindow(jax.lax.stop_gradient(q_all), first_tile)
         kv = resident_keys(problem, layout)
         to_hbm = lambda shifted: shifted  # [B, S_p, H]: per-step [bq, H] blocks
     else:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -257,3 +258,33 @@ def test_gather_path_under_the_race_and_out_of_bounds_checking_interpreter():
         got = csa_pallas.teacher_distribution(a["q"], a["compressed_kv"], implementation="pallas",
                                               config=config_for("gather"), **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(reference.teacher(problem)[0]), atol=1e-6)
+
+
+def test_gather_path_reads_a_query_chunk_in_place_under_the_race_and_out_of_bounds_checking_interpreter():
+    """`Problem.q_window` (the fused op's query chunks): the gather kernel reads the chunk's q rows from the whole
+    q through a scalar-prefetched tile offset (`sparse_gather.RowWindow`), with the same P as from a copy of the
+    rows; a chunk off the query tile, or q not in the compute dtype, keeps the copy."""
+    from csa_pallas import fused_student
+    a = make_case(7, seq=32, ratio=1, heads=2, head_dim=32)
+    idx = pattern_indices("uniform", 32, 12, np.random.default_rng(7))
+    problem = validation.validate(a["q"], a["compressed_kv"], topk_indices=idx, compress_ratio=1, window_size=8,
+                                  target="per_head")
+
+    def chunk(start, rows):
+        part = {name: getattr(problem, name)[:, start:start + rows]
+                for name in ("q", "segment_ids", "positions", "topk_indices")}
+        return fused_student._chunk_problem(problem, part)
+
+    shard = chunk(16, 16)
+    layout = ops_sparse.sparse_layout(shard, config_for("gather"))
+    windowed = dataclasses.replace(shard, q_window=(problem.q, jnp.int32(16)))
+    assert ops_sparse.in_place_rows(windowed, layout)
+    params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", num_cores_or_threads=2)
+    with runtime.interpret_override(params):
+        got = ops_sparse.teacher_padded(windowed, layout)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ops_sparse.teacher_padded(shard, layout)))
+    odd = chunk(8, 4)  # 4 rows: padded to the 8-row query tile
+    assert not ops_sparse.in_place_rows(dataclasses.replace(odd, q_window=(problem.q, jnp.int32(8))),
+                                        ops_sparse.sparse_layout(odd, config_for("gather")))
+    other_dtype = (problem.q.astype(jnp.bfloat16), jnp.int32(16))  # the kernels' compute dtype is f32 here
+    assert not ops_sparse.in_place_rows(dataclasses.replace(shard, q_window=other_dtype), layout)

@@ -409,9 +409,10 @@ def test_a_non_finite_key_block_makes_exactly_its_readers_nan(topk, query_chunk)
 
 
 def test_query_chunks_on_the_sparse_gather_path_pack_the_resident_keys_once(monkeypatch):
-    """Sparse chunks on the gather path share one packed copy of compressed_kv (`Problem.resident_kv`), against the
-    oracle; a non-finite key block still makes exactly its readers NaN (the resident rows are packed from the
-    NaN-filled keys, no filled copy besides them)."""
+    """Sparse chunks on the gather path share one packed copy of compressed_kv (`Problem.resident_kv`) and the
+    teacher reads each chunk's q rows in place (`Problem.q_window`), against the oracle (index_k's gradient summed
+    over the chunks in the one student kernel's running partial sums); a non-finite key block still makes exactly
+    its readers NaN (the resident rows are packed from the NaN-filled keys, no filled copy besides them)."""
     from csa_pallas import ops_sparse
     from csa_pallas.kernels import sparse_gather
     monkeypatch.setattr(ops_sparse, "GATHER_HEAD_BLOCKS_PER_SLOT", 0)  # the dispatch picks the gather path
@@ -422,9 +423,16 @@ def test_query_chunks_on_the_sparse_gather_path_pack_the_resident_keys_once(monk
     packs = []
     real = sparse_gather.resident_rows
     monkeypatch.setattr(sparse_gather, "resident_rows", lambda kv: packs.append(kv.shape) or real(kv))
+    in_place, launch = [], sparse_gather.sparse_gather_pallas
+
+    def spied_launch(q, *args, **kwargs):
+        in_place.append(isinstance(q, sparse_gather.RowWindow))
+        return launch(q, *args, **kwargs)
+    monkeypatch.setattr(sparse_gather, "sparse_gather_pallas", spied_launch)
     c, kw = make_student_case(23, seq=32, topk=6, num_docs=2, loss_mask=True)
     _check(c, kw, "joint", implementation="pallas", reduction="sum", query_chunk=16, index_head_chunk=1)
     assert len(packs) == 1, packs  # once for the two chunks (traced once: value and gradient in one pass)
+    assert in_place and all(in_place), in_place
 
     kv = np.array(c["compressed_kv"])
     kv[0, 2, 0], kv[0, 5, 3], kv[0, 6, 1] = np.nan, np.inf, -np.inf

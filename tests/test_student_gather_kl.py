@@ -64,10 +64,21 @@ def _reference(c, grad_scale):
     return kl, nonempty, jax.grad(lambda *a: grad_scale * jnp.sum(rows(*a)[0]), argnums=(0, 1, 2))(*f32)
 
 
-def _compare(c, cfg=None, grad_scale=0.5):
+def _compare(c, cfg=None, grad_scale=0.5, running_dk=False):
+    """running_dk: the kernel adds dk to running partial sums in place (`dk_partials`, what the fused op's query
+    chunks carry), started from random ones: the sums it returns minus the start must be this call's dk."""
     operand = student_scores.operand_dtype(c["q"].dtype, c["k"].dtype)
-    run = lambda q, k, w: sgk.loss_and_grads(q, sg.resident_keys(k), w, c["idx"], c["target"], operand, cfg,
-                                             grad_scale=grad_scale)
+
+    def run(q, k, w):
+        keys = sg.resident_keys(k)
+        if not running_dk:
+            return sgk.loss_and_grads(q, keys, w, c["idx"], c["target"], operand, cfg, grad_scale=grad_scale)
+        zeros = sgk.dk_partials_zeros(keys)
+        start = jax.random.normal(jax.random.key(0), zeros.shape, jnp.float32)
+        kl, nonempty, (dq, sums, dw) = sgk.loss_and_grads(q, keys, w, c["idx"], c["target"], operand, cfg,
+                                                          grad_scale=grad_scale, dk_partials=start + 0.0)
+        rows = keys.shape[1] - sg.ZERO_ROWS
+        return kl, nonempty, (dq, sgk.finish_dk_partials(sums - start, rows), dw)
     kl, nonempty, (dq, dk, dw) = jax.jit(run, compiler_options=FAST)(c["q"], c["k"], c["w"])
     want_kl, want_nonempty, wants = _reference(c, grad_scale)
     np.testing.assert_array_equal(nonempty, want_nonempty)
@@ -110,8 +121,11 @@ def test_a_nan_target_row_is_nan_and_only_its_blocks_gradients_are():
     assert bad == read
 
 
-def test_forced_query_tile():
-    _compare(_case(3, batch=2, seq=40, width=20, duplicates=True), sg.StudentGatherConfig(block_q=16))
+@pytest.mark.parametrize("running_dk", [False, True], ids=["fresh_dk", "running_dk"])
+def test_forced_query_tile(running_dk):
+    """Also with dk added in place to running partial sums (`dk_partials`), two batch elements."""
+    _compare(_case(3, batch=2, seq=40, width=20, duplicates=True), sg.StudentGatherConfig(block_q=16),
+             running_dk=running_dk)
 
 
 @settings(max_examples=20, deadline=None)
@@ -138,4 +152,4 @@ def test_multiplicity_fold_counts_each_valid_slot_once_on_distinct_targets(seed,
 def test_race_and_out_of_bounds_checking_interpreter():
     params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", num_cores_or_threads=2)
     with runtime.interpret_override(params):
-        _compare(_case(6, seq=16, blocks=30, width=20, heads=2, duplicates=True))
+        _compare(_case(6, seq=16, blocks=30, width=20, heads=2, duplicates=True), running_dk=True)

@@ -53,6 +53,18 @@ class GatherConfig:
             raise ValueError(f"block_q: expected a positive multiple of 8, got {self.block_q}")
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["rows", "first_tile"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class RowWindow:
+    """q rows read in place: the kernel's S_p query rows are rows[:, first_tile * block_q:][:, :S_p] (a query chunk
+    of a longer q, `fused_student`), fetched by the index maps from a scalar-prefetched tile offset instead of
+    from a per-chunk copy (at S = 128K the copies of q were 6.2 ms of estimate and 32 MiB of temp).
+    rows: [B, S_all, H, D] in the kernel's compute dtype; first_tile: int32 [1]."""
+
+    rows: jax.Array
+    first_tile: jax.Array
+
+
 def lane_planes(words: int) -> tuple:
     """(planes, lanes): the resident row of `words` u32 words as planes of <= 128 lanes (a 128-lane plane makes a
     dynamic row's address the row index itself: ~2 bundles per gathered row instead of ~3.5 with 256-lane rows)."""
@@ -216,7 +228,7 @@ def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherC
     """Runs the gather teacher on padded, prepared inputs.
 
     Args:
-      q: [B, S_p, H, D] bf16 or f32, S_p a multiple of cfg.block_q.
+      q: [B, S_p, H, D] bf16 or f32, S_p a multiple of cfg.block_q; or a `RowWindow` holding them in place.
       rows: u32 [B, planes, R, lanes] (`resident_rows`; blocks holding a non-finite value NaN-filled first).
       idx: int32 [B, S_p, K_p] top-k indices (any values: a slot reads row idx & (R - 1)).
       vbits: int32 [B, S_p, K_p / 32] slot bits (`selection.slot_bits`): V(t).
@@ -229,8 +241,10 @@ def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherC
     """
     if mode not in rebase.MODES:
         raise ValueError(f"mode: expected one of {rebase.MODES}, got {mode!r}")
-    b, s_p, h, d = q.shape
-    k_p = idx.shape[2]
+    window = q if isinstance(q, RowWindow) else None
+    q = q.rows if window is not None else q
+    b, _, h, d = q.shape
+    s_p, k_p = idx.shape[1], idx.shape[2]
     chunks = k_p // LANES
     bq = cfg.block_q
     nq = s_p // bq
@@ -270,20 +284,27 @@ def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherC
         scratch.append(pltpu.VMEM((bq, k_p), jnp.float32))
     kernel = functools.partial(_kernel, mode=mode, scale=scale, width_p=k_p, block_q=bq, bf16=bf16,
                                normalize=normalize, unroll_slots=cfg.unroll_slots, kl=kl)
+    if window is not None:  # the tile offset is scalar-prefetched: every index map takes its ref
+        in_specs = [_prefetching(spec) for spec in in_specs]
+        in_specs[1] = pl.BlockSpec((None, bq, h, d), lambda p, c, first: (div(p), rem(p) + first[0], 0, 0))
+        out_specs = ([_prefetching(spec) for spec in out_specs] if isinstance(out_specs, list) else
+                     _prefetching(out_specs))
+        kernel = functools.partial(_drop_prefetch, kernel)
     flops = 2 * b * s_p * k_p * h * d
     kl_bytes = 0 if kl is None else logits.size * logits.dtype.itemsize * (2 if kl.emit_gradient else 1)
     # q once, the resident rows once per batch element of each core's share of the query tiles, the indices (SMEM
     # blocks) and slot bits once.
-    bytes_accessed = (q.size * q.dtype.itemsize + common.resident_fetches(b, nq) * rows[0].size * 4
+    bytes_accessed = (b * s_p * h * d * q.dtype.itemsize + common.resident_fetches(b, nq) * rows[0].size * 4
                       + (idx.size + vbits.size) * 4 + kl_bytes
                       + (0 if lse_in is None else lse_in[0].size * 4) + (0 if kl is not None else b * s_p * k_p * 4))
+    grid = dict(grid=(b * nq, chunks), in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
+    if window is not None:
+        grid = dict(grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, **grid))
+        operands = [window.first_tile] + operands
     return runtime.pallas_call(
         kernel,
-        grid=(b * nq, chunks),
-        in_specs=in_specs,
-        out_specs=out_specs,
         out_shape=out_shape,
-        scratch_shapes=scratch,
+        **grid,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=flops, transcendentals=2 * b * s_p * k_p * h,
@@ -291,3 +312,13 @@ def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherC
         interpret=interpret,
         name=f"csa_sparse_gather_{mode}_bq{bq}{'' if cfg.unroll_slots else '_looped'}{'_kl' if kl else ''}",
     )(*operands)
+
+
+def _prefetching(spec: pl.BlockSpec) -> pl.BlockSpec:
+    """spec with an index map that also takes (and ignores) the scalar-prefetched ref."""
+    return dataclasses.replace(spec, index_map=lambda p, c, first, f=spec.index_map: f(p, c))
+
+
+def _drop_prefetch(kernel, first_ref, *refs):
+    del first_ref  # read by the index maps only
+    return kernel(*refs)

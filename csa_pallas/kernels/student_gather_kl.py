@@ -19,6 +19,10 @@ a NaN row stays NaN) instead of reading the student's scores, and this kernel, p
      to discarded rows with a count of 0: `student_gather.scatter_plan` with the validity as the cotangent
      (the slots outside V(t) read the zero row R, so they never share a row with a valid slot).
 
+A query-chunked caller (`fused_student`) passes the TensorCores' running dk sums as `dk_partials`: the buffer is
+aliased to dk's output and DMA'd once per (core, batch element) into the accumulator, so a chunk adds to it in
+place instead of writing partial sums that XLA re-reads and adds (4.4 ms of 163 at S = 128K, static estimates).
+
 Static v5p estimates (S = 32K, K = 512, H_I = 64, d_I = 128, bf16) are in `student_plan.default_query_chunk`.
 """
 
@@ -36,12 +40,25 @@ from csa_pallas.kernels import student_gather as sg
 from csa_pallas.kernels.common import NN, NT, TN
 
 
-def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_ref, dw_ref, dk_ref, stats_ref,
-            stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, buf_ref, sem_ref, *, operand,
-            kl: fused_kl.FusedKL):
+def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, *refs, operand, kl: fused_kl.FusedKL,
+            accumulate: bool):
+    refs = list(refs)
+    dk_in_ref = refs.pop(0) if accumulate else None  # HBM, aliased to dk's output: the running partial sums
+    (dq_ref, dw_ref, dk_ref, stats_ref, stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, buf_ref, sem_ref,
+     *copy_sem) = refs
+
+    # this core's partial sums for this batch element (flattened [CORES * B, ...]; the grid ids are read out here:
+    # the interpreter resolves them at the kernel's top level only)
+    which = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
+
     @pl.when(pl.program_id(2) == 0)  # the first query tile of this core's walk over a batch element
     def _():
-        dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
+        if accumulate:  # start from the partial sums of the previous query chunks (no XLA add per chunk)
+            copy = pltpu.make_async_copy(dk_in_ref.at[pl.ds(which, 1)], dk_ref, copy_sem[0])
+            copy.start()
+            copy.wait()
+        else:
+            dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
 
     width = idx_ref.shape[1]
     d_p = keys_ref.shape[1]
@@ -72,13 +89,13 @@ def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_re
         dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
         folded = common.hi_lo_terms(jnp.where(positive, w * (g * count_ref[pl.ds(t, 1), :]), 0.0), operand)
         dk_rows_ref[...] = sum(common.exact_dot(x, q, TN) for x in folded)  # [K_p, d_p]
-        sg.add_rows_to_targets(targets, dk_rows_ref, dk_ref)  # distinct targets per group
+        sg.add_rows_to_targets(targets, dk_rows_ref, dk_ref.at[0])  # distinct targets per group
 
     slot_rows.for_each_query([target_ref], buf_ref, sem_ref, backward)
 
 
 def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_dtype,
-                   cfg: sg.StudentGatherConfig | None = None, grad_scale: float = 1.0):
+                   cfg: sg.StudentGatherConfig | None = None, grad_scale: float = 1.0, dk_partials=None):
     """(per-row KL f32 [B, S], non-empty rows bool [B, S], (d index_q, d keys, d index_weights)): the KL of
     softmax_V(I) against the teacher's slot-order target and the gradients of grad_scale * sum_t KL_t, I the
     student's scores over the selection (`student_gather.scores`). Not differentiable (the caller's custom_vjp
@@ -87,7 +104,9 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     index_q float [B, S, H_I, d_I]; keys f32 [B, R + ZERO_ROWS, d_p] (`student_gather.resident_keys`); index_weights
     [B, S, H_I]; topk_indices int [B, S, K]; target f32 [B, S_t, K_t] (S_t >= S, K_t >= K: the teacher's padded
     P', -1 on empty slots and past S and K); gradients: index_q's dtype, f32 [B, R + ZERO_ROWS, d_p], f32
-    [B, S, H_I]."""
+    [B, S, H_I]. dk_partials: None, or the TensorCores' running dk sums f32 [CORES, B, R + SCATTER_GROUP, d_p]
+    (`dk_partials_zeros`; a query-chunked caller's carry), which the kernel adds to in place (the buffer is
+    aliased to its output) and returns as d keys instead (`finish_dk_partials` turns them into d keys)."""
     b, s, h, d = index_q.shape
     k = topk_indices.shape[2]
     rows, d_p = keys.shape[1] - sg.ZERO_ROWS, keys.shape[2]
@@ -118,35 +137,57 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     read = (b * s_p * (h * d_p * q.dtype.itemsize + 4 * h + 4 * 4 * k_p)
             + 4 * sg.CORES * b * (rows + sg.ZERO_ROWS) * d_p)
     written = b * s_p * (h * d_p * q.dtype.itemsize + 4 * h) + 4 * sg.CORES * b * acc_rows * d_p + 4 * b * nq * 8 * bq
+    accumulate = dk_partials is not None
+    in_specs = [slots, slots,
+                pl.BlockSpec((bq, h, d_p), lambda *g: (tile(*g), 0, 0)),
+                pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
+                pl.BlockSpec((None, rows + sg.ZERO_ROWS, d_p), lambda c, bb, i: (bb, 0, 0),
+                             pipeline_mode=pl.Buffered(1)),
+                slot_values, slot_values]
+    operands = [idx, targets, q, w, keys, p, counts]
+    if accumulate:  # read once per (core, batch element) by a DMA into dk's VMEM block (no second VMEM block)
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        operands.append(dk_partials.reshape(sg.CORES * b, acc_rows, d_p))
+        read += 4 * sg.CORES * b * acc_rows * d_p
     dq, dw, dk, stats = runtime.pallas_call(
-        functools.partial(_kernel, operand=operand, kl=kl),
+        functools.partial(_kernel, operand=operand, kl=kl, accumulate=accumulate),
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32),
-                   jax.ShapeDtypeStruct((sg.CORES, b, acc_rows, d_p), jnp.float32),
+                   jax.ShapeDtypeStruct((sg.CORES * b, acc_rows, d_p), jnp.float32),
                    jax.ShapeDtypeStruct((b, nq, fused_kl.KL_STAT_ROWS, bq), jnp.float32)),
         grid=(sg.CORES, b, half),
-        in_specs=[slots, slots,
-                  pl.BlockSpec((bq, h, d_p), lambda *g: (tile(*g), 0, 0)),
-                  pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
-                  pl.BlockSpec((None, rows + sg.ZERO_ROWS, d_p), lambda c, bb, i: (bb, 0, 0),
-                               pipeline_mode=pl.Buffered(1)),
-                  slot_values, slot_values],
+        in_specs=in_specs,
         out_specs=(pl.BlockSpec((bq, h, d_p), lambda *g: (tile(*g), 0, 0)),
                    pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
-                   pl.BlockSpec((None, None, acc_rows, d_p), lambda c, bb, i: (c, bb, 0, 0)),
+                   pl.BlockSpec((1, acc_rows, d_p), lambda c, bb, i: (c * b + bb, 0, 0)),
                    pl.BlockSpec((None, None, fused_kl.KL_STAT_ROWS, bq), lambda c, bb, i: (bb, c * half + i, 0, 0))),
         scratch_shapes=[pltpu.VMEM((bq, k_p // 8, 8, d_p), jnp.float32), pltpu.VMEM((bq, k_p), jnp.float32),
                         pltpu.VMEM((bq, k_p), jnp.float32), pltpu.VMEM((k_p, d_p), jnp.float32),
-                        pltpu.VMEM((bq, h, k_p), jnp.float32)] + slot_rows.scratch(k_p, 1),
+                        pltpu.VMEM((bq, h, k_p), jnp.float32)] + slot_rows.scratch(k_p, 1)
+                       + ([pltpu.SemaphoreType.DMA(())] if accumulate else []),
+        input_output_aliases={len(operands) - 1: 2} if accumulate else {},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=passes * 2 * b * s_p * k_p * h * d_p, transcendentals=b * s_p * k_p,
                                       bytes_accessed=read + written),
         interpret=runtime.interpret_mode(),
         name=f"csa_student_gather_kl_grads_bq{bq}",
-    )(idx, targets, q, w, keys, p, counts)
+    )(*operands)
+    dk = dk.reshape(sg.CORES, b, acc_rows, d_p)
     kl_rows = stats[:, :, 0, :].reshape(b, s_p)[:, :s]
     nonempty = stats[:, :, 3, :].reshape(b, s_p)[:, :s] > 0
     dq = dq.reshape(b, s_p, h, d_p)[:, :s, :, :d].astype(index_q.dtype)
     dw = dw.reshape(b, s_p, h)[:, :s]
-    dk = jnp.pad(jnp.sum(dk[:, :, :rows], axis=0), ((0, 0), (0, sg.ZERO_ROWS), (0, 0)))
-    return kl_rows, nonempty, (dq, dk, dw)
+    return kl_rows, nonempty, (dq, dk if accumulate else finish_dk_partials(dk, rows), dw)
+
+
+def dk_partials_zeros(keys):
+    """Zero running dk sums for `loss_and_grads(dk_partials=...)`: f32 [CORES, B, R + SCATTER_GROUP, d_p] for the
+    resident keys f32 [B, R + ZERO_ROWS, d_p]."""
+    b, rows, d_p = keys.shape[0], keys.shape[1] - sg.ZERO_ROWS, keys.shape[2]
+    return jnp.zeros((sg.CORES, b, rows + sg.SCATTER_GROUP, d_p), jnp.float32)
+
+
+def finish_dk_partials(partials, rows: int):
+    """The TensorCores' dk sums [CORES, B, R + SCATTER_GROUP, d_p] -> d keys f32 [B, R + ZERO_ROWS, d_p] (the
+    discarded rows dropped, the zero rows' cotangent 0)."""
+    return jnp.pad(jnp.sum(partials[:, :, :rows], axis=0), ((0, 0), (0, sg.ZERO_ROWS), (0, 0)))
