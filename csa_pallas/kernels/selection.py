@@ -9,7 +9,9 @@ are (no [B, S, K]-sized copy is made); what the indices alone cannot say travels
   some valid slot selects it: int32 [B, S_p, W_p], block s is bit (s & 31) of word s >> 5 (W = N_p / 32 words,
   padded to 128 lanes). Built with the query tile's indices transposed (queries on the 128 lanes, slots on
   sublanes): each slot row costs W/8 vreg compare/select/or triples, i.e. K * N / 32 lane-ops per query, an eighth
-  of the packed 8-bit counters it replaces and a few percent of the teacher's matmul work at any N.
+  of the packed 8-bit counters it replaces and a few percent of the teacher's matmul work at any N. Empty slots are
+  set to -1 once per tile first (no slot-bit test in the per-slot loop: 34.9 -> 26.7 us at S = 4K, static v5p
+  estimate).
 * `tile_tables` (XLA on the bits): per (query tile, kv tile) whether any query of the tile selected a block of the
   tile (the teacher skips the others: no matmul, no exponentials), and per query tile whether some row holds a
   duplicated index (popcount of its block bits < popcount of its slot bits). Bits cannot count, and SPEC §2 counts
@@ -149,6 +151,17 @@ def _build_kernel(idx_ref, vbits_ref, out_ref, idx_t_ref, vbits_t_ref, *, num_wo
         vb = jnp.concatenate([vb, jnp.zeros((vb.shape[0], LANES - nw), jnp.int32)], axis=1)
     vbits_t_ref[...] = vb.T  # [128, 128]: slot word w of every query on row w
     slots = idx_t_ref.shape[0]
+    # Empty slots become -1 once for the whole tile, 32 slot rows per slot word (a sublane shift by the slot's bit),
+    # so the per-slot loop below reads one row and tests no bit: -1's word (-1 >> 5) matches no word.
+    bit_of_row = lax.broadcasted_iota(jnp.int32, (WORD_BITS, rows_q), 0)
+
+    def mask_empty(g, carry):
+        rows32 = pl.ds(pl.multiple_of(g * WORD_BITS, WORD_BITS), WORD_BITS)
+        valid = lax.shift_right_logical(vbits_t_ref[pl.ds(g, 1), :], bit_of_row) & 1  # [32, R]
+        idx_t_ref[rows32, :] = jnp.where(valid != 0, idx_t_ref[rows32, :], -1)
+        return carry
+
+    lax.fori_loop(0, slots // WORD_BITS, mask_empty, 0, unroll=min(4, slots // WORD_BITS))
     out_ref[...] = jnp.zeros(out_ref.shape, jnp.int32)
     for start in range(0, num_words, BUILD_WORDS):
         words = min(BUILD_WORDS, num_words - start)
@@ -156,10 +169,8 @@ def _build_kernel(idx_ref, vbits_ref, out_ref, idx_t_ref, vbits_t_ref, *, num_wo
         word = lax.broadcasted_iota(jnp.int32, (rows, rows_q), 0) + start
 
         def body(r, acc):
-            s = idx_t_ref[pl.ds(r, 1), :]  # [1, 128]: one slot of every query
-            valid = lax.shift_right_logical(vbits_t_ref[pl.ds(lax.shift_right_logical(r, 5), 1), :],
-                                            r & (WORD_BITS - 1)) & 1
-            bit = jnp.where(valid != 0, jnp.left_shift(jnp.int32(1), s & (WORD_BITS - 1)), 0)
+            s = idx_t_ref[pl.ds(r, 1), :]  # [1, 128]: one slot of every query (-1: empty)
+            bit = jnp.left_shift(jnp.int32(1), s & (WORD_BITS - 1))
             return acc | jnp.where(word == lax.shift_right_arithmetic(s, 5), bit, 0)
 
         acc = lax.fori_loop(0, slots, body, jnp.zeros((rows, rows_q), jnp.int32), unroll=8)
