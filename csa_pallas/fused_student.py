@@ -199,7 +199,7 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     init = (dk_init, jnp.zeros_like(index_q), jnp.zeros_like(index_weights))
     (dk_total, dq, dw), (kl, nonempty) = lax.scan(step, init, starts)
     if in_kernel_dk:
-        dk_total = student_gather_kl.finish_dk_partials(dk_total, keys.shape[1] - student_gather.ZERO_ROWS)
+        dk_total = student_gather_kl.finish_dk_partials(dk_total)
     if kernels:  # the padded keys' cotangent -> index_k's
         dk_total = dk_total[:, :index_k.shape[1], :index_k.shape[2]]
     return _unstack_chunks(kl), _unstack_chunks(nonempty), (dq, dk_total, dw)

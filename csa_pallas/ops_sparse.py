@@ -234,8 +234,8 @@ def resident_keys(problem: Problem, layout: SparseLayout) -> jax.Array:
 
 def in_place_rows(problem: Problem, layout: SparseLayout) -> bool:
     """Whether the gather path reads the problem's q rows in place from `problem.q_window` (see `Problem`)."""
+    # padded_seq is a multiple of the query tile: equal to S, the chunk (and its first row) are whole tiles
     return (problem.q_window is not None and layout.path == "gather" and layout.padded_seq == problem.seq_len
-            and problem.seq_len % layout.cfg.block_q == 0
             and problem.q_window[0].dtype == ops.compute_dtype(problem.q, problem.compressed_kv))
 
 
@@ -245,13 +245,14 @@ def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
     cfg = layout.cfg
     mode = ops.teacher_mode(problem)
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
-    q = ops.pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
+    if in_place_rows(problem, layout):
+        q_all, first_row = problem.q_window
+        first_tile = (first_row // layout.cfg.block_q).astype(jnp.int32).reshape(1)
+        q = sparse_gather.RowWindow(jax.lax.stop_gradient(q_all), first_tile)
+    else:
+        q = ops.pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
     to_hbm = None
     if layout.path == "gather":
-        if in_place_rows(problem, layout):
-            q_all, first_row = problem.q_window
-            first_tile = (first_row // layout.cfg.block_q).astype(jnp.int32).reshape(1)
-            q = sparse_gather.RowWindow(jax.lax.stop_gradient(q_all), first_tile)
         kv = resident_keys(problem, layout)
         to_hbm = lambda shifted: shifted  # [B, S_p, H]: per-step [bq, H] blocks
     else:

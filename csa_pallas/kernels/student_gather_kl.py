@@ -177,7 +177,7 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     nonempty = stats[:, :, 3, :].reshape(b, s_p)[:, :s] > 0
     dq = dq.reshape(b, s_p, h, d_p)[:, :s, :, :d].astype(index_q.dtype)
     dw = dw.reshape(b, s_p, h)[:, :s]
-    return kl_rows, nonempty, (dq, dk if accumulate else finish_dk_partials(dk, rows), dw)
+    return kl_rows, nonempty, (dq, dk if accumulate else finish_dk_partials(dk), dw)
 
 
 def dk_partials_zeros(keys):
@@ -187,7 +187,8 @@ def dk_partials_zeros(keys):
     return jnp.zeros((sg.CORES, b, rows + sg.SCATTER_GROUP, d_p), jnp.float32)
 
 
-def finish_dk_partials(partials, rows: int):
+def finish_dk_partials(partials):
     """The TensorCores' dk sums [CORES, B, R + SCATTER_GROUP, d_p] -> d keys f32 [B, R + ZERO_ROWS, d_p] (the
     discarded rows dropped, the zero rows' cotangent 0)."""
+    rows = partials.shape[2] - sg.SCATTER_GROUP
     return jnp.pad(jnp.sum(partials[:, :, :rows], axis=0), ((0, 0), (0, sg.ZERO_ROWS), (0, 0)))
