@@ -22,7 +22,7 @@ other combinations. Ids: `--ids default` (one document, nothing passed: the kern
 
 `--mesh data=2,heads=4` (repeatable) adds sharded rows (`benchmarks.sweep_mesh`). Outputs under --out (default
 results/sweep/): sweep_<shape>.csv / .json (every row), memory_<shape>.png (temp MiB vs S, one line per head
-chunk) and, when timed, time_<shape>.png. The printed table reads back with `parse_table`.
+chunk) and, when timed, time_<shape>.png. The printed table reads back with `sweep_report.parse_table`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import time
 from typing import Optional, Sequence
 
 from benchmarks import harness  # noqa: E402  (sets ALLOW_MULTIPLE_LIBTPU_LOAD before jax loads libtpu)
+from benchmarks.sweep_report import chunk_label, format_table, write_plots  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -62,10 +63,6 @@ class Config:
     @property
     def label(self) -> str:
         return f"{self.mode}/{self.target}/{self.impl}/hc={chunk_label(self.head_chunk)} S={self.seq} ids={self.ids}"
-
-
-def chunk_label(head_chunk: Optional[int]) -> str:
-    return "auto" if head_chunk is None else str(head_chunk)
 
 
 def parse_head_chunk(text: str) -> Optional[int]:
@@ -285,33 +282,7 @@ def isolated(call: str, kwargs: dict, timeout: float, shape: harness.Shape, cfg:
     return harness.run_isolated(call, kwargs, timeout, failed)
 
 
-# ------------------------------------------------------------------------------------------------- table, plots
-
-# (row key, heading, kind): see harness.cell
-COLUMNS = [
-    ("mode", "mode", "s"), ("target", "target", "s"), ("impl", "impl", "s"), ("head_chunk", "hc", "s"),
-    ("seq", "S", "i"), ("ids", "ids", "s"), ("mesh", "mesh", "s"), ("batch", "B", "i"), ("pass_", "pass", "s"),
-    ("measure", "measure", "s"), ("status", "status", "s"),
-    ("argument_mib", "arg MiB", "f1"), ("temp_mib", "temp MiB", "f1"), ("peak_mib", "peak MiB", "f1"),
-    ("vmem_limit_mib", "VMEM lim MiB", "f1"), ("compile_s", "compile s", "f1"), ("median_ms", "median ms", "f3"),
-    ("spread_pct", "spread %", "f1"), ("tflops", "TFLOP/s", "f1"), ("pct_peak", "% peak", "f1"),
-    ("loss_rel_err", "loss rel err", "e"), ("grad_rel_err", "grad rel err", "e"), ("how", "how", "s"),
-]
-
-
-def table_rows(rows: Sequence[dict]) -> list:
-    """Rows as printed: the head chunk as 'auto' / its number (the reference's: '-')."""
-    return [dict(r, head_chunk=(None if r.get("impl") == "xla" and r.get("head_chunk") is None
-                                else chunk_label(r.get("head_chunk")))) for r in rows]
-
-
-def format_table(rows: Sequence[dict], header: Sequence[str] = ()) -> str:
-    return harness.format_table(table_rows(rows), COLUMNS, header)
-
-
-def parse_table(text: str) -> list:
-    return harness.parse_table(text, COLUMNS)
-
+# ------------------------------------------------------------------------------------------------------- header
 
 def header_lines(shape: harness.Shape, topology: str, backend: str) -> list:
     s = shape
@@ -325,53 +296,6 @@ def header_lines(shape: harness.Shape, topology: str, backend: str) -> list:
         "# wall rows: " + ("TPU wall clock, median / spread of >= 10 runs after warm-up" if backend == "tpu"
                            else "none (no TPU backend on this host)"),
     ]
-
-
-def plot_metric(rows: Sequence[dict], path: str, *, measure: str, key: str, ylabel: str, title: str) -> Optional[str]:
-    """One panel per (mode, target, pass); x = S (log2), one line per (impl, head chunk): Pallas solid, XLA
-    dashed. One-chip rows only. Returns the path, or None when no row has the value."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pts = [r for r in rows if r.get("measure") == measure and r.get("status") == "ok" and r.get(key) is not None
-           and not r.get("mesh")]
-    if not pts:
-        return None
-    panels = sorted({(r["mode"], r["target"], r["pass_"]) for r in pts})
-    ncol = min(2, len(panels))
-    fig, axes = plt.subplots(math.ceil(len(panels) / ncol), ncol, figsize=(6.5 * ncol, 4.0 * math.ceil(
-        len(panels) / ncol)), squeeze=False)
-    lines = sorted({(r["impl"], chunk_label(r.get("head_chunk"))) for r in pts})
-    for ax, panel in zip(axes.flat, panels):
-        for i, (impl, chunk) in enumerate(lines):
-            sel = sorted((r for r in pts if (r["mode"], r["target"], r["pass_"]) == panel and r["impl"] == impl
-                          and chunk_label(r.get("head_chunk")) == chunk), key=lambda r: r["seq"])
-            if sel:
-                ax.plot([r["seq"] for r in sel], [r[key] for r in sel], marker="o" if impl == "pallas" else "s",
-                        linestyle="-" if impl == "pallas" else "--", color=plt.get_cmap("viridis")(i / len(lines)),
-                        label=f"{impl} hc={chunk}")
-        ax.set(xscale="log", xlabel="sequence length S", ylabel=ylabel, title=" / ".join(panel))
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def write_plots(rows: Sequence[dict], out_dir: str, stem: str, topology: str) -> list:
-    paths = [plot_metric(rows, os.path.join(out_dir, f"memory_{stem}.png"), measure="aot", key="temp_mib",
-                         ylabel="HBM temp MiB", title=f"HBM temp (memory_analysis(), AOT for {topology}) vs S"),
-             plot_metric(rows, os.path.join(out_dir, f"time_{stem}.png"), measure="wall", key="median_ms",
-                         ylabel="median ms", title="TPU wall clock (median of >= 10 runs) vs S")]
-    return [p for p in paths if p]
 
 
 # ------------------------------------------------------------------------------------------------------------ CLI

@@ -373,13 +373,33 @@ def fused_loss(index_q, index_k, index_weights, q, compressed_kv, **kw):
 
 def fused_loss_grads(index_q, index_k, index_weights, q, compressed_kv, **kw):
     """SPEC §8 chain rule from SPEC §5's dI: (d index_q, d index_k, d index_weights), float64."""
-    topk = kw.get("topk_indices")
-    I = indexer_scores(index_q, index_k, index_weights, topk)
-    dI = loss_grad(I, q, compressed_kv, **kw)
+    I = indexer_scores(index_q, index_k, index_weights, kw.get("topk_indices"))
+    return _chain_rule(index_q, index_k, index_weights, loss_grad(I, q, compressed_kv, **kw), kw.get("topk_indices"))
+
+
+def fused_grad_rounding_scales(index_q, index_k, index_weights, q, compressed_kv, **kw):
+    """What f32 rounding of Q and P can move each gradient entry by, in units of the unit roundoff: SPEC §8's
+    chain rule run on |scale g / n| (Q + P) (an f32 Q - P is off by a few ulps of Q + P, however well Q and P
+    cancel) with every factor in absolute value. float64 (d index_q, d index_k, d index_weights)-shaped."""
+    I = indexer_scores(index_q, index_k, index_weights, kw.get("topk_indices"))
+    weight = np.abs(loss_grad(I, q, compressed_kv, **kw))  # |scale g / n| |Q - P| on V(t) ...
+    reduction, scale, cotangent = kw.pop("reduction", "mean"), kw.pop("scale", 1.0), kw.pop("cotangent", 1.0)
+    shape, rows = _rows(q, compressed_kv, **kw)
+    n = _divisor(reduction, np.zeros(shape[:2]), len(rows))
+    g = np.broadcast_to(np.abs(_f64(cotangent)), shape[:2])
+    for (b, t), (slots, p, logq) in _student(I, shape, rows).items():  # ... replaced by |scale g / n| (Q + P)
+        weight[b, t, slots] = abs(scale) * g[b, t] * (np.exp(logq) + p) / (1 if reduction == "none" else n)
+    return _chain_rule(index_q, index_k, index_weights, weight, kw.get("topk_indices"), absolute=True)
+
+
+def _chain_rule(index_q, index_k, index_weights, dI, topk, absolute=False):
+    """d index_q, d index_k, d index_weights from dI [B, S, N or K] (SPEC §8). absolute: every factor in |.|
+    and ReLU(q . k) as |q| . |k| (the scale of q . k's own rounding); the indicator [q . k > 0] as is."""
     qi, ki, w = _f64(index_q), _f64(index_k), _f64(index_weights)
     B, S, H_I, _ = qi.shape
     N = ki.shape[1]
     dq, dk, dw = np.zeros_like(qi), np.zeros_like(ki), np.zeros_like(w)
+    qf, kf, wf = (np.abs(qi), np.abs(ki), np.abs(w)) if absolute else (qi, ki, w)
     for b in range(B):
         for t in range(S):
             blocks = range(N) if topk is None else _i64(topk)[b, t]
@@ -389,8 +409,8 @@ def fused_loss_grads(index_q, index_k, index_weights, q, compressed_kv, **kw):
                 g = dI[b, t, slot]
                 for j in range(H_I):
                     dot = float(qi[b, t, j] @ ki[b, s])
-                    dw[b, t, j] += g * max(0.0, dot)
+                    dw[b, t, j] += g * (float(qf[b, t, j] @ kf[b, s]) if absolute else max(0.0, dot))
                     if dot > 0:  # the ReLU's derivative is the indicator [q . k > 0]: 0 at exactly 0
-                        dq[b, t, j] += g * w[b, t, j] * ki[b, s]
-                        dk[b, s] += g * w[b, t, j] * qi[b, t, j]
+                        dq[b, t, j] += g * wf[b, t, j] * kf[b, s]
+                        dk[b, s] += g * wf[b, t, j] * qf[b, t, j]
     return dq, dk, dw

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 import csa_pallas
 import oracle
-from test_reference import (FAST, SPARSE, TOL, Case, cases, check_against_oracle, f64, make_case, named_case,
-                            oracle_compressed_lse, support, value_and_grad, _kwargs)
+from reference_cases import (FAST, SPARSE, TOL, Case, cases, check_against_oracle, f64, make_case, named_case,
+                             oracle_compressed_lse, reference_kwargs, support, value_and_grad)
 
 GSCALE = 1.7  # a loss coefficient != 1 for every gradient below
 GRAD_REDUCTIONS = ("mean", "mean_all", "sum", "none")
@@ -35,7 +35,7 @@ GRAD_REDUCTIONS = ("mean", "mean_all", "sum", "none")
 @functools.partial(jax.jit, static_argnames=("static_key",), compiler_options=FAST)
 def _all_grads(logits, q, ckv, arrays, static_key, cotangent):
     """d loss / d indexer_logits for the four reductions ("none" through jax.vjp with `cotangent`)."""
-    kw = _kwargs(arrays, static_key)
+    kw = reference_kwargs(arrays, static_key)
     loss = lambda x, red: csa_pallas.indexer_distill_loss(x, q, ckv, reduction=red, scale=GSCALE, **kw)
     out = {red: jax.grad(loss)(logits, red) for red in ("mean", "mean_all", "sum")}
     rows, vjp = jax.vjp(lambda x: loss(x, "none"), logits)
@@ -47,7 +47,7 @@ def _all_grads(logits, q, ckv, arrays, static_key, cotangent):
 @functools.partial(jax.jit, static_argnames=("static_key", "reduction"), compiler_options=FAST)
 def _one_grad(logits, q, ckv, arrays, static_key, cotangent, reduction):
     """d loss / d indexer_logits for one reduction (a smaller program than `_all_grads`)."""
-    kw = _kwargs(arrays, static_key)
+    kw = reference_kwargs(arrays, static_key)
     _, vjp = jax.vjp(
         lambda x: csa_pallas.indexer_distill_loss(x, q, ckv, reduction=reduction, scale=GSCALE, **kw), logits)
     return vjp(cotangent if reduction == "none" else jnp.ones((), jnp.float32))[0]
@@ -108,8 +108,8 @@ def check_grads(case: Case, seed: int = 0) -> dict:
 @settings(max_examples=8)
 @given(data=st.data())
 def test_property_grad_matches_oracle(sparse, data):
-    """Random shapes / packing / sinks / masks (as in test_reference), f32 logits, scale 1.7, one drawn reduction per
-    example ("none" with a random cotangent through jax.vjp); the named tests below cover every reduction."""
+    """Random shapes / packing / sinks / masks (`reference_cases.cases`), f32 logits, scale 1.7, one drawn reduction
+    per example ("none" with a random cotangent through jax.vjp); the named tests below cover every reduction."""
     case = data.draw(cases(sparse, f32_logits=True))
     reduction = data.draw(st.sampled_from(GRAD_REDUCTIONS))
     cot = np.random.default_rng(0).normal(size=case.logits.shape[:2]).astype(np.float32)

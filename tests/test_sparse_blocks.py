@@ -17,7 +17,7 @@ from csa_pallas.kernels import runtime
 from csa_pallas.kernels.student_gather import StudentGatherConfig
 from csa_pallas.kernels.student_scores import StudentKernelConfig
 from test_sparse_kernels import _problem, sparse_case
-from test_student import _check, make_student_case
+from student_cases import check, make_student_case
 
 FAST = {"xla_backend_optimization_level": 0}
 
@@ -105,9 +105,9 @@ def test_slot_counts_are_added_only_where_some_row_has_duplicates():
 def test_visit_student_matches_the_oracle(target, query_chunk, reduction, dtype):
     """The visit student forced by a StudentKernelConfig (packing, loss_mask, duplicated and invalid slots), one
     chunk and chunked (table schedules), the scalar reductions, bf16: value and the three gradients (per-row
-    cotangents: test_student.py's rematerialised-chunks test)."""
+    cotangents: test_student_chunks.py's rematerialised-chunks test)."""
     c, kw = make_student_case(41, batch=2, seq=64, topk=7, num_docs=2, loss_mask=True, dtype=dtype)
-    _check(c, kw, target, implementation="pallas", reduction=reduction, query_chunk=query_chunk,
+    check(c, kw, target, implementation="pallas", reduction=reduction, query_chunk=query_chunk,
            student=StudentKernelConfig(block_q=16, block_k=128))
 
 
@@ -115,7 +115,7 @@ def test_an_infinite_sink_empties_the_row_for_the_visit_student():
     """Every head's mass on its sink (+inf): the row is empty (P = 0 on its selected blocks), as in the oracle."""
     c, kw = make_student_case(42, seq=64, topk=6)
     kw["sinks"] = jnp.asarray([np.inf, np.inf], jnp.float32)
-    _check(c, kw, "joint", implementation="pallas", student=StudentKernelConfig(block_q=16, block_k=128))
+    check(c, kw, "joint", implementation="pallas", student=StudentKernelConfig(block_q=16, block_k=128))
 
 
 def _flash(seq, heads=64, width=512):

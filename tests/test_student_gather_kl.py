@@ -1,6 +1,6 @@
 """The one-kernel sparse student (`kernels/student_gather_kl.py`): scores, KL against a slot-order target and the
 three gradients, in Pallas interpret mode against an XLA gather + KL differentiated by JAX; its fold plan; the
-race- and bounds-checking interpreter. The fused op's use of it is in test_student.py; its v5p compile in
+race- and bounds-checking interpreter. The fused op's use of it is in test_student_chunks.py; its v5p compile in
 test_aot_student.py."""
 
 from __future__ import annotations

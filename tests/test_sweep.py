@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from benchmarks import harness, sweep, sweep_mesh
+from benchmarks import harness, sweep, sweep_mesh, sweep_report
 
 
 def test_shapes():
@@ -99,13 +99,13 @@ def _rows():
 
 def test_table_round_trip():
     rows = _rows()
-    text = sweep.format_table(rows, ["# header line", "# another"])
+    text = sweep_report.format_table(rows, ["# header line", "# another"])
     assert text.startswith("# header line")
     assert "RESOURCE_EXHAUSTED" in text  # notes carry the first message line
-    parsed = sweep.parse_table("some preamble\n" + text + "\ntrailing text\n")
+    parsed = sweep_report.parse_table("some preamble\n" + text + "\ntrailing text\n")
     assert len(parsed) == len(rows)
-    for r, p in zip(sweep.table_rows(rows), parsed):
-        for key, _, kind in sweep.COLUMNS:
+    for r, p in zip(sweep_report.table_rows(rows), parsed):
+        for key, _, kind in sweep_report.COLUMNS:
             v = r.get(key)
             if v is None or v == "":
                 assert p[key] is None, key
@@ -126,10 +126,10 @@ def test_plot_writer(tmp_path):
                 rows.append(dict(mode="dense", target="per_head", impl=impl, head_chunk=c, seq=s, pass_="fwd+bwd",
                                  measure="aot", status="ok", temp_mib=s / 100 * c + (5 if impl == "xla" else 0)))
     rows.append(dict(rows[0], status="VMEM overflow", temp_mib=None))
-    paths = sweep.write_plots(rows, str(tmp_path), "unit", "v5p:2x2x1")
+    paths = sweep_report.write_plots(rows, str(tmp_path), "unit", "v5p:2x2x1")
     assert paths == [str(tmp_path / "memory_unit.png")]  # no wall rows: no time plot
     assert os.path.getsize(paths[0]) > 0
-    assert sweep.plot_metric([], str(tmp_path / "none.png"), measure="aot", key="temp_mib", ylabel="", title="") is None
+    assert sweep_report.plot_metric([], str(tmp_path / "none.png"), measure="aot", key="temp_mib", ylabel="", title="") is None
 
 
 def test_end_to_end_tiny_quick(tmp_path, capsys):
@@ -153,7 +153,7 @@ def test_end_to_end_tiny_quick(tmp_path, capsys):
         if r["status"] == "ok":
             assert r["grad_rel_err"] <= sweep.CHECK_TOL and r["loss_rel_err"] <= sweep.CHECK_TOL
     assert any(r["status"] == "ok" for r in checks if r["mode"] == "dense")
-    parsed = sweep.parse_table(out)
+    parsed = sweep_report.parse_table(out)
     assert len(parsed) == len(rows)
     assert [p["status"] for p in parsed] == [r["status"] for r in rows]
     if aot.libtpu_available():
@@ -177,5 +177,5 @@ def test_isolated_compile_timeout(tmp_path, capsys):
     if aot.libtpu_available():
         assert [(r["measure"], r["status"]) for r in rows] == [("aot", "timeout")]
         assert "timeout" in rows[0]["error"] and rows[0]["how"]
-    assert sweep.parse_table(capsys.readouterr().out) == sweep.parse_table(sweep.format_table(rows))
+    assert sweep_report.parse_table(capsys.readouterr().out) == sweep_report.parse_table(sweep_report.format_table(rows))
     assert set(rows[0]) == set(harness.ROW_FIELDS)  # the child's row is a harness.Row
