@@ -52,8 +52,7 @@ def _chunk_problem(problem: Problem, rows: dict) -> Problem:
         kv_positions=problem.kv_positions, compress_ratio=problem.compress_ratio, window_size=problem.window_size,
         softmax_scale=problem.softmax_scale, target=problem.target, head_chunk=problem.head_chunk,
         implementation="pallas", **stats)
-    return dataclasses.replace(chunk, kv_ready=problem.kv_ready, resident_kv=problem.resident_kv,
-                               default_keys=problem.one_document_prefix)
+    return dataclasses.replace(chunk, kv_ready=problem.kv_ready, default_keys=problem.one_document_prefix)
 
 
 def _poisoned(chunk: Problem, bad_block) -> Problem:
@@ -68,7 +67,7 @@ def _poisoned(chunk: Problem, bad_block) -> Problem:
 # The Problem fields that hold arrays: they travel into the custom_vjp as arguments (a static template keeps the
 # rest), so nothing traced is closed over.
 _ARRAY_FIELDS = ("q", "compressed_kv", "segment_ids", "positions", "kv_segment_ids", "kv_positions", "topk_indices",
-                 "window_kv", "sinks", "noncompressed_lse", "full_lse", "loss_mask", "resident_kv")
+                 "window_kv", "sinks", "noncompressed_lse", "full_lse", "loss_mask")
 _ROW_FIELDS = ("q", "segment_ids", "positions", "topk_indices", "loss_mask", "noncompressed_lse", "full_lse")
 
 
@@ -141,7 +140,7 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
         return student_scores.scores(q_rows, k, w_rows, part["positions"], block_end, ctx.kernel_config,
                                      causal_ratio=causal_ratio)
 
-    def chunk_rows(start, q_rows, k, w_rows, dk_partials=None):
+    def chunk_rows(start, q_rows, k, w_rows, dk_partials=None, rows_in_place=None):
         part = {name: lax.dynamic_slice_in_dim(v, start, chunk, axis=1) for name, v in rows.items()}
         shard = chunk_shard(part, start)
         plan = plans.plan_for(shard)
@@ -164,7 +163,7 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
             target = plan.teacher(shard, plan.layout(shard, kl_logits_dtype=jnp.float32))
             kl, nonempty, grads = student_gather_kl.loss_and_grads(
                 q_rows, k, w_rows, part["topk_indices"], target, operands, ctx.kernel_config,
-                grad_scale=ctx.row_weight, dk_partials=dk_partials)
+                grad_scale=ctx.row_weight, dk_partials=dk_partials, rows_in_place=rows_in_place)
             return (kl, nonempty), grads
         logits, student_vjp = jax.vjp(fn, q_rows, k, w_rows)
         kl, nonempty, grad = plan.fused_kl_rows(logits, shard, plan.layout(shard, kl_logits_dtype=logits.dtype),
@@ -182,16 +181,21 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
         return _unstack_chunks(kl), _unstack_chunks(nonempty)
 
     # The one-kernel gradient pass adds each chunk's dk to the TensorCores' running sums in place (the carry is
-    # aliased to its output): no [R, d_p] partial sums written, re-read and added in XLA per chunk.
+    # aliased to its output): no [R, d_p] partial sums written, re-read and added in XLA per chunk; and where
+    # index_q's layout allows, it reads the chunk's index_q rows and writes their gradient where they lie in the
+    # whole arrays (no [chunk, H_I, d_I] copies: 8 MiB each at S = 128K).
     in_kernel_dk = gathers and ctx.kernel_config.fuse_kl
+    q_in_place = in_kernel_dk and student_gather_kl.rows_in_place_ok(index_q, chunk, ctx.kernel_config)
 
     def step(carry, start):
         # No autodiff here: the rows are sliced in place and their gradients written in place (no stacked copies).
         dk_total, dq_all, dw_all = carry
         rows_of = lambda x: lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
-        (kl, nonempty), (dq, dk, dw) = chunk_rows(start, rows_of(index_q), keys, rows_of(index_weights),
-                                                  dk_partials=dk_total if in_kernel_dk else None)
-        dq_all = lax.dynamic_update_slice_in_dim(dq_all, dq.astype(dq_all.dtype), start, axis=1)
+        (kl, nonempty), (dq, dk, dw) = chunk_rows(
+            start, None if q_in_place else rows_of(index_q), keys, rows_of(index_weights),
+            dk_partials=dk_total if in_kernel_dk else None,
+            rows_in_place=(index_q, dq_all, start) if q_in_place else None)
+        dq_all = dq if q_in_place else lax.dynamic_update_slice_in_dim(dq_all, dq.astype(dq_all.dtype), start, axis=1)
         dw_all = lax.dynamic_update_slice_in_dim(dw_all, dw.astype(dw_all.dtype), start, axis=1)
         return (dk if in_kernel_dk else dk_total + dk, dq_all, dw_all), (kl, nonempty)
 
@@ -251,16 +255,13 @@ def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student, ro
     #  * one chunk: the problem itself, `ops.kernel_keys` (non-finite rows NaN-filled, a copy);
     #  * dense, several chunks: the keys as given; each chunk makes its rows that read a non-finite block NaN
     #    through their query rows (`_poisoned`; the chunk's q rows are a copy anyway): the same rows NaN (SPEC §3);
-    #  * sparse gather path, several chunks: the resident rows packed once from the NaN-filled keys (the fill
-    #    fuses into the packing; inside the scan they were packed per chunk, a 64 MiB u32 temporary at 128K);
+    #  * sparse gather path, several chunks: the keys as given (the gather kernel NaN-fills the rows as it packs
+    #    its resident copy in VMEM; a packed copy in HBM was a 32 MiB temp at 128K);
     #  * sparse visit path: the NaN-filled keys (short context: N is small there).
     many = chunk < problem.seq_len
     gather = False
     if many and problem.sparse and not visit:  # the path depends on N, H and K only: the chunks take this one
-        layout = ops_sparse.sparse_layout(problem, kl_logits_dtype=jnp.float32)
-        gather = layout.path == "gather"
-        if gather:
-            problem = dataclasses.replace(problem, resident_kv=ops_sparse.resident_keys(problem, layout))
+        gather = ops_sparse.sparse_layout(problem, kl_logits_dtype=jnp.float32).path == "gather"
     poison_rows = many and not problem.sparse
     keys = ops.cast_keys(problem) if poison_rows or gather else ops.kernel_keys(problem)
     problem = dataclasses.replace(problem, compressed_kv=keys, kv_ready=True)

@@ -95,9 +95,9 @@ def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLay
     overrides = dict(cfg) if isinstance(cfg, Mapping) else None
     forced = overrides.pop("path", None) if overrides is not None else None
     k_p = common.round_up(problem.width, common.LANES)
-    n8 = common.round_up(max(problem.num_blocks, 1), common.SUBLANES)
+    n16 = common.round_up(max(problem.num_blocks, 1), 16)  # the gather kernel's DMA chunks of rows
     gather_cfg = sparse_gather.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
-                                              num_blocks_padded=n8, width_p=k_p, dtype=dtype,
+                                              num_blocks_padded=n16, width_p=k_p, dtype=dtype,
                                               kl_logits_dtype=kl_logits_dtype)
     path = "visit" if isinstance(cfg, teacher_config.TeacherConfig) else choose_path(
         problem, forced, gather_cfg is not None)
@@ -108,8 +108,9 @@ def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLay
             raise ValueError(f"config: unknown field {unknown[0]!r} for path 'gather'; expected some of "
                              f"{sorted(fields | {'path'})} (the teacher kernel's fields need config 'path': 'visit')")
         gather_cfg = dataclasses.replace(gather_cfg, **(overrides or {}))
-        s_p = common.round_up(problem.seq_len, math.lcm(gather_cfg.block_q, selection.build_rows(problem.seq_len)))
-        return SparseLayout(cfg=gather_cfg, schedule=None, padded_seq=s_p, padded_blocks=n8, padded_width=k_p,
+        s_p = common.round_up(problem.seq_len, math.lcm(sparse_gather.CORES * gather_cfg.block_q,
+                                                        selection.build_rows(problem.seq_len)))
+        return SparseLayout(cfg=gather_cfg, schedule=None, padded_seq=s_p, padded_blocks=n16, padded_width=k_p,
                             path="gather")
     cfg = overrides if overrides is not None else cfg
     if not isinstance(cfg, teacher_config.TeacherConfig):
@@ -225,13 +226,6 @@ def selection_inputs(problem: Problem, layout: SparseLayout) -> Selection:
     return Selection(idx=idx, vbits=vbits, bits=bits, tables=tables, firsts=firsts, counts=counts)
 
 
-def resident_keys(problem: Problem, layout: SparseLayout) -> jax.Array:
-    """The gather path's resident rows: `problem.resident_kv` when the caller packed them, else packed here."""
-    if problem.resident_kv is not None:
-        return problem.resident_kv
-    return sparse_gather.resident_rows(ops.pad_axis(ops.kernel_keys(problem), 1, layout.padded_blocks))
-
-
 def in_place_rows(problem: Problem, layout: SparseLayout) -> bool:
     """Whether the gather path reads the problem's q rows in place from `problem.q_window` (see `Problem`)."""
     # padded_seq is a multiple of the query tile: equal to S, the chunk (and its first row) are whole tiles
@@ -240,8 +234,9 @@ def in_place_rows(problem: Problem, layout: SparseLayout) -> bool:
 
 
 def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
-    """(mode, q, kv, lse_in): the sparse kernels' padded operands (stop-gradient; the gather path's kv as its
-    resident rows, `sparse_gather.resident_rows`); reduce_low: see `ops.lse_blocks`."""
+    """(mode, q, kv, lse_in): the sparse kernels' padded operands (stop-gradient; the gather path's kv with its
+    non-finite rows as given: its kernel NaN-fills them as it packs its resident rows); reduce_low: see
+    `ops.lse_blocks`."""
     cfg = layout.cfg
     mode = ops.teacher_mode(problem)
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
@@ -253,7 +248,8 @@ def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
         q = ops.pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
     to_hbm = None
     if layout.path == "gather":
-        kv = resident_keys(problem, layout)
+        kv = ops.pad_axis(problem.compressed_kv if problem.kv_ready else ops.cast_keys(problem), 1,
+                          layout.padded_blocks)
         to_hbm = lambda shifted: shifted  # [B, S_p, H]: per-step [bq, H] blocks
     else:
         kv = ops.pad_axis(ops.kernel_keys(problem), 1, layout.padded_blocks)

@@ -51,9 +51,6 @@ class Problem:
     # `ops.cast_keys` when the caller makes the rows that read them NaN itself): set by callers that run the teacher
     # many times on one key sequence (`fused_student`'s query chunks).
     kv_ready: bool = False
-    # The sparse gather path's resident rows of the kernels' key operand (`sparse_gather.resident_rows`, padded to
-    # the layout's blocks), packed once by the same callers instead of inside every chunk: u32 [B, planes, R, lanes].
-    resident_kv: Optional[jax.Array] = None
     # The same callers' q rows in place (sparse gather path): (q_all [B, S_all, H, D], first_row int32 scalar), q
     # being q_all[:, first_row:first_row + S]; the teacher kernel reads them there (`sparse_gather.RowWindow`)
     # where q_all is in the kernels' compute dtype and S a multiple of the query tile, so no per-chunk copy of q.

@@ -6,7 +6,8 @@
 * both paths on the selection patterns of the sparse issue (uniform, local-heavy, banded) and adversarial ones
   (every query the same block, distinct far blocks), with kv tiles the visit path skips;
 * duplicates on some query tiles only (the exact-count branch next to the bits), the unnormalised head sums the
-  heads-sharded loss combines, and a race / out-of-bounds checking interpreter run of the gather kernel.
+  heads-sharded loss combines, the gather kernel's own packing of the keys (non-finite blocks make their readers
+  NaN), and a race / out-of-bounds checking interpreter run of the gather kernel.
 """
 
 from __future__ import annotations
@@ -246,6 +247,29 @@ def test_unnormalised_head_sums_agree_across_paths():
     np.testing.assert_allclose(out["visit"][1], out["gather"][1], rtol=1e-6)
     want = np.asarray(reference.teacher(problem)[0])
     np.testing.assert_allclose(np.maximum(out["gather"][0], 0.0), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gather_path_packs_the_keys_itself_and_non_finite_blocks_make_their_readers_nan(dtype):
+    """The gather kernel packs its resident rows from compressed_kv as given (`sparse_gather._pack_resident`: 48
+    padded blocks in three double-buffered DMA chunks of 16 rows; f32 rows as their bits, bf16 two features per
+    word; +-inf made NaN), and a block holding a NaN, +inf or -inf makes exactly the rows that read it NaN
+    (SPEC §3; the -inf is where an unfilled value would drop its slot silently), as the reference's P."""
+    a = make_case(8, seq=40, ratio=1, heads=2, head_dim=32, dtype=dtype)
+    kv = np.array(a["compressed_kv"].astype(jnp.float32))
+    kv[0, 3, 5], kv[0, 17, 0], kv[0, 30, 31] = np.nan, np.inf, -np.inf
+    kv = jnp.asarray(kv, dtype)
+    idx = pattern_indices("uniform", 40, 12, np.random.default_rng(8))
+    kw = dict(topk_indices=idx, compress_ratio=1, window_size=8, window_kv=a["window_kv"], sinks=a["sinks"])
+    problem = validation.validate(a["q"], kv, **kw)
+    assert ops_sparse.sparse_layout(problem, config_for("gather")).padded_blocks == 48
+    got = np.asarray(csa_pallas.teacher_distribution(a["q"], kv, implementation="pallas",
+                                                     config=config_for("gather"), **kw))
+    want = np.asarray(reference.teacher(problem)[0])
+    rows_nan = np.isnan(want).any(axis=-1)
+    assert 0 < rows_nan.sum() < rows_nan.size  # some rows read a bad block, some do not
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), atol=1e-6)
 
 
 def test_gather_path_under_the_race_and_out_of_bounds_checking_interpreter():

@@ -69,31 +69,40 @@ def test_a_non_finite_key_block_makes_exactly_its_readers_nan(topk, query_chunk)
     np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=0, atol=1e-6)
 
 
-def test_query_chunks_on_the_sparse_gather_path_pack_the_resident_keys_once(monkeypatch):
-    """Sparse chunks on the gather path share one packed copy of compressed_kv (`Problem.resident_kv`) and the
-    teacher reads each chunk's q rows in place (`Problem.q_window`), against the oracle (index_k's gradient summed
-    over the chunks in the one student kernel's running partial sums); a non-finite key block still makes exactly
-    its readers NaN (the resident rows are packed from the NaN-filled keys, no filled copy besides them)."""
-    from csa_pallas import ops_sparse
-    from csa_pallas.kernels import sparse_gather
+@pytest.mark.parametrize("index_dim", [16, 128], ids=["index_q_copied", "index_q_in_place"])
+def test_query_chunks_on_the_sparse_gather_path_read_the_keys_as_given(monkeypatch, index_dim):
+    """Sparse chunks on the gather path hand the teacher compressed_kv as given (its kernel packs its resident rows
+    itself, +-inf made NaN: no filled or packed copy in HBM) and read each chunk's q rows in place
+    (`Problem.q_window`); the one student kernel reads each chunk's index_q rows and writes their gradient in
+    place where d_I is a whole lane tile (`student_gather_kl.rows_in_place_ok`), else from a copy; against the
+    oracle (index_k's gradient summed over the chunks in the kernel's running partial sums). A non-finite key block
+    still makes exactly its readers NaN."""
+    from csa_pallas import ops, ops_sparse
+    from csa_pallas.kernels import sparse_gather, student_gather_kl
     monkeypatch.setattr(ops_sparse, "GATHER_HEAD_BLOCKS_PER_SLOT", 0)  # the dispatch picks the gather path
     # Looped slots: a small program for the interpreter (test_variants covers the unrolled default).
     default = sparse_gather.default_config
     monkeypatch.setattr(sparse_gather, "default_config",
                         lambda **kw: dataclasses.replace(default(**kw), unroll_slots=False))
-    packs = []
-    real = sparse_gather.resident_rows
-    monkeypatch.setattr(sparse_gather, "resident_rows", lambda kv: packs.append(kv.shape) or real(kv))
+    fills = []
+    real_fill = ops.nan_filled_rows
+    monkeypatch.setattr(ops, "nan_filled_rows", lambda x: fills.append(x.shape) or real_fill(x))
     in_place, launch = [], sparse_gather.sparse_gather_pallas
 
     def spied_launch(q, *args, **kwargs):
         in_place.append(isinstance(q, sparse_gather.RowWindow))
         return launch(q, *args, **kwargs)
     monkeypatch.setattr(sparse_gather, "sparse_gather_pallas", spied_launch)
-    c, kw = make_student_case(23, seq=32, topk=6, num_docs=2, loss_mask=True)
+    student_rows, student = [], student_gather_kl.loss_and_grads
+    monkeypatch.setattr(student_gather_kl, "loss_and_grads",
+                        lambda *a, **k: student_rows.append(k.get("rows_in_place") is not None) or student(*a, **k))
+    c, kw = make_student_case(23, seq=32, topk=6, num_docs=2, loss_mask=True, index_dim=index_dim)
     check(c, kw, "joint", implementation="pallas", reduction="sum", query_chunk=16, index_head_chunk=1)
-    assert len(packs) == 1, packs  # once for the two chunks (traced once: value and gradient in one pass)
+    assert not fills, fills
     assert in_place and all(in_place), in_place
+    assert student_rows and all(used == (index_dim == 128) for used in student_rows), student_rows
+    if index_dim == 128:
+        return  # the non-finite keys below: once
 
     kv = np.array(c["compressed_kv"])
     kv[0, 2, 0], kv[0, 5, 3], kv[0, 6, 1] = np.nan, np.inf, -np.inf

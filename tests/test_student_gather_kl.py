@@ -152,3 +152,32 @@ def test_race_and_out_of_bounds_checking_interpreter():
     params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", num_cores_or_threads=2)
     with runtime.interpret_override(params):
         _compare(_case(6, seq=16, blocks=30, width=20, heads=2, duplicates=True), running_dk=True)
+
+
+def test_a_chunk_of_rows_read_and_written_in_place_under_the_race_and_out_of_bounds_checking_interpreter():
+    """`rows_in_place` (the fused op's query chunks, d_I = 128): the kernel reads rows 16-31 of a 32-row index_q
+    through a scalar-prefetched tile offset and writes their gradient into the whole aliased dq, whose other rows
+    keep what they held; the chunk's results equal the reference's for those rows."""
+    c = _case(7, seq=32, blocks=20, width=12, heads=2, dim=128, duplicates=True)
+    first, rows = 16, slice(16, 32)
+    chunk = dict(c, **{name: c[name][:, rows] for name in ("q", "w", "idx", "target")})
+    assert sgk.rows_in_place_ok(c["q"], 16)
+    operand = student_scores.operand_dtype(c["q"].dtype, c["k"].dtype)
+    held = jax.random.normal(jax.random.key(1), c["q"].shape, jnp.float32).astype(c["q"].dtype)
+
+    def run(q_all, k, w, dq_all):
+        return sgk.loss_and_grads(None, sg.resident_keys(k), w, chunk["idx"], chunk["target"], operand,
+                                  grad_scale=0.5, rows_in_place=(q_all, dq_all, jnp.int32(first)))
+    params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", num_cores_or_threads=2)
+    with runtime.interpret_override(params):
+        kl, nonempty, (dq_all, dk, dw) = jax.jit(run, compiler_options=FAST)(c["q"], c["k"], chunk["w"], held)
+    want_kl, want_nonempty, (want_dq, want_dk, want_dw) = _reference(chunk, 0.5)
+    np.testing.assert_array_equal(nonempty, want_nonempty)
+    np.testing.assert_allclose(kl, want_kl, rtol=1e-5, atol=1e-5)
+    assert dq_all.shape == c["q"].shape and dq_all.dtype == c["q"].dtype
+    outside = np.ones(32, bool)
+    outside[rows] = False
+    np.testing.assert_array_equal(np.asarray(dq_all)[:, outside], np.asarray(held)[:, outside])
+    for a, b, tol in ((dq_all[:, rows], want_dq, 2.0 ** -7), (dk[:, :20], want_dk, 1e-5), (dw, want_dw, 1e-5)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.max(np.abs(a - b)) <= tol * np.max(np.abs(b))

@@ -3,10 +3,15 @@
 The dense-visit teacher (`teacher` with a selection) costs ~N/2 (query, block) pairs per query whatever K is; at
 long context that is the whole causal triangle. Here each query pays K gathered rows instead:
 
-  * the compressed KV of the batch element stays resident in VMEM for the whole query walk (`pl.Buffered(1)`,
-    fetched once per core): bf16 rows packed two features per u32 word (features d and d + D/2 share word d; bf16
-    single-row loads do not compile on v5p, u32 ones do, and a bf16 value is the high half of an f32), f32 rows
-    as they are. Resident size N_p * D * 2 bytes (bf16): 32 MiB at S = 128K, D = 512;
+  * the compressed KV of the batch element stays resident in VMEM for the whole query walk: bf16 rows packed two
+    features per u32 word (features d and d + D/2 share word d; bf16 single-row loads do not compile on v5p, u32
+    ones do, and a bf16 value is the high half of an f32), f32 rows as their bits. The kernel packs them itself
+    (`_pack_resident`) at the first step of each TensorCore's walk over a batch element, from compressed_kv as
+    given in HBM (DMA'd in chunks of rows, double-buffered; +-inf made NaN on the way, so a score reading a
+    non-finite value is NaN), so no packed copy exists in HBM (at S = 128K it was a 32 MiB temp, live through
+    every query chunk).
+    Resident size R * D * 2 bytes (bf16): 32 MiB at S = 128K, D = 512. Grid (TensorCores, B, query tiles per
+    core, slot chunks): the core axis is the "parallel" one, so a step knows its core's first tile;
   * per query, its K_p slot indices (an SMEM block) drive K_p dynamic single-row loads into a staging buffer;
     an empty slot loads row index & (R - 1), whatever it holds, and is masked by its slot bit;
   * scores [H, K_p] = q[t] [H, D] x rows^T on the MXU (bf16: two half-D products on the unpacked halves; the heads
@@ -15,14 +20,15 @@ long context that is the whole causal triangle. Here each query pays K gathered 
     simply a second row (each slot its own softmax entry, SPEC §2).
 
 After a step's bq queries: the same fused-KL epilogue as the teacher (`fused_kl`), or P normalised (-1 on empty
-slots), or the unnormalised head sum with the rows' M (heads sharded over devices). Grid (B * S_p / bq) "parallel";
-one head chunk (all heads of a query at once: [H, K_p] f32 temporaries).
+slots), or the unnormalised head sum with the rows' M (heads sharded over devices). One head chunk (all heads of
+a query at once: [H, K_p] f32 temporaries).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -82,25 +88,61 @@ def resident_row_count(num_blocks: int) -> int:
     return max(common.SUBLANES, 1 << (max(num_blocks, 1) - 1).bit_length())
 
 
-def resident_rows(kv) -> jax.Array:
-    """The resident rows of the gather kernel: u32 [B, planes, R, lanes], R = `resident_row_count(N)`; row s holds
-    block s: bf16 packed two features per word (feature d in the low half, d + D/2 in the high half of word d), f32
-    as its bits; rows past N are zeros."""
-    if kv.dtype == jnp.float32:
-        words = lax.bitcast_convert_type(kv, jnp.uint32)
-    else:
-        half = kv.shape[-1] // 2
-        bits = lax.bitcast_convert_type(kv, jnp.uint16).astype(jnp.uint32)
-        words = bits[..., :half] | jnp.left_shift(bits[..., half:], 16)
-    b, n, w = words.shape
-    planes, lanes = lane_planes(w)
-    rows = resident_row_count(n)
-    words = jnp.pad(words, ((0, 0), (0, rows - n), (0, 0)))
-    return jnp.transpose(words.reshape(b, rows, planes, lanes), (0, 2, 1, 3))
+PACK_ROWS = 128  # compressed_kv rows per DMA of `_pack_resident` (a [128, D] f32 working set per chunk)
+CORES = common.MEGACORE  # the grid's "parallel" axis: one share of the query tiles per TensorCore
+
+
+def pack_rows(num_blocks_padded: int) -> int:
+    """Rows per DMA of `_pack_resident`: the largest power of two <= PACK_ROWS dividing N_p (a multiple of 16)."""
+    return math.gcd(num_blocks_padded, PACK_ROWS)
+
+
+EXPONENT = 0x7F800000  # f32 exponent bits (a bf16's are the same bits of its f32): all set on NaN and +-inf
+QUIET = 0x00400000  # the f32 mantissa bit that makes an all-ones exponent a NaN (+-inf -> NaN)
+
+
+def _pack_resident(kv_hbm, resident_ref, stage_ref, sems, batch, *, bf16: bool):
+    """Fills resident_ref u32 [planes, R, lanes] with the batch element's rows of kv_hbm [B, N_p, D] (HBM): row s
+    holds block s, bf16 packed two features per word (feature d in the low half, d + D/2 in the high half of word
+    d), f32 as its bits; +-inf becomes NaN, so a score reading a non-finite value is NaN whatever the signs (SPEC
+    §3: a lone -inf score would silently drop its slot; a NaN term makes the product NaN for any q, so no row-wide
+    fill is needed). Rows past N_p keep what the scratch held: only empty slots read them, and their scores are
+    selected away. Chunks of `stage_ref.shape[1]` rows are DMA'd double-buffered into stage_ref [2, rows, D]."""
+    planes, _, lanes = resident_ref.shape
+    n, ch = kv_hbm.shape[1], stage_ref.shape[1]
+    count = n // ch
+
+    def copy(j, slot):
+        return pltpu.make_async_copy(kv_hbm.at[batch, pl.ds(j * ch, ch)], stage_ref.at[slot], sems.at[slot])
+
+    copy(0, 0).start()
+
+    def body(j, carry):
+        slot = j & 1
+        copy(j, slot).wait()
+
+        @pl.when(j + 1 < count)
+        def _():
+            copy(j + 1, 1 - slot).start()
+
+        words = lax.bitcast_convert_type(stage_ref[slot].astype(jnp.float32), jnp.uint32)  # [ch, D]; exact for bf16
+        words = jnp.where((words & EXPONENT) == EXPONENT, words | QUIET, words)
+        if bf16:  # a bf16 value's bits are its f32's high half
+            half = words.shape[1] // 2
+            words = (lax.shift_right_logical(words[:, :half], jnp.uint32(16))
+                     | (words[:, half:] & jnp.uint32(0xFFFF0000)))
+        start = pl.multiple_of(j * ch, ch)
+        for p in range(planes):
+            resident_ref[p, pl.ds(start, ch), :] = words[:, p * lanes:(p + 1) * lanes]
+        return carry
+
+    lax.fori_loop(0, count, body, 0)
 
 
 def resident_bytes(num_blocks_padded: int, head_dim: int, dtype) -> int:
-    return resident_row_count(num_blocks_padded) * head_dim * jnp.dtype(dtype).itemsize
+    """VMEM of the resident rows and `_pack_resident`'s two staging chunks."""
+    isz = jnp.dtype(dtype).itemsize
+    return (resident_row_count(num_blocks_padded) + 2 * pack_rows(num_blocks_padded)) * head_dim * isz
 
 
 def vmem_bytes(cfg: GatherConfig, *, num_heads: int, head_dim: int, num_blocks_padded: int, width_p: int, dtype,
@@ -112,8 +154,10 @@ def vmem_bytes(cfg: GatherConfig, *, num_heads: int, head_dim: int, num_blocks_p
     if kl_logits_dtype is not None:
         blocks += 4 * bq * width_p * jnp.dtype(kl_logits_dtype).itemsize
     scratch = bq * width_p * head_dim * isz + bq * width_p * 4
-    # one query's scores and exponentials (the queries of a step run one at a time), its unpacked rows, the epilogue
-    temporaries = 6 * num_heads * width_p * 4 + 2 * width_p * head_dim * 4 + 8 * bq * width_p * 4
+    # one query's scores and exponentials (the queries of a step run one at a time), its unpacked rows, the epilogue;
+    # `_pack_resident`'s f32 chunk and its bits
+    temporaries = (6 * num_heads * width_p * 4 + 2 * width_p * head_dim * 4 + 8 * bq * width_p * 4
+                   + 3 * pack_rows(num_blocks_padded) * head_dim * 4)
     return resident + blocks + scratch + temporaries
 
 
@@ -128,8 +172,11 @@ def default_config(*, num_heads: int, head_dim: int, num_blocks_padded: int, wid
     return dataclasses.replace(cfg, vmem_limit_bytes=min(vmem_capacity - 4 * MiB, max(32 * MiB, int(need * 1.2))))
 
 
-def _kernel(idx_smem, q_ref, kv_ref, vbits_ref, *refs, mode, scale, width_p, block_q, bf16, normalize,
+def _kernel(idx_smem, q_ref, kv_hbm, vbits_ref, *refs, mode, scale, width_p, block_q, bf16, normalize,
             unroll_slots: bool, kl: Optional[fused_kl.FusedKL]):
+    # the grid ids are read out here: the interpreter resolves them at the kernel's top level only
+    batch, first_tile, chunk = pl.program_id(1), pl.program_id(2) == 0, pl.program_id(3)
+    last_chunk = chunk == pl.num_programs(3) - 1
     refs = list(refs)
     lse_ref = shift_ref = None
     if mode != "per_head":
@@ -145,8 +192,12 @@ def _kernel(idx_smem, q_ref, kv_ref, vbits_ref, *refs, mode, scale, width_p, blo
     stage_ref, valid_ref, top_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     shift_col_ref = refs.pop(0) if mode != "per_head" else None
     acc_ref = out_ref if kl is None else refs.pop(0)
+    kv_ref, pack_stage_ref, pack_sems = refs  # the resident rows u32 [planes, R, lanes]
     planes, rows, lanes = kv_ref.shape
-    chunk = pl.program_id(1)  # 128 slots per grid step
+
+    @pl.when(jnp.logical_and(first_tile, chunk == 0))  # this core's first step on this batch element
+    def _():
+        _pack_resident(kv_hbm, kv_ref, pack_stage_ref, pack_sems, batch, bf16=bf16)
 
     # Gather the chunk's 128 slots of every query; the resident row is index & (R - 1). Unrolled: static SMEM
     # offsets and staging rows (no address arithmetic but the chunk's base).
@@ -168,7 +219,7 @@ def _kernel(idx_smem, q_ref, kv_ref, vbits_ref, *refs, mode, scale, width_p, blo
 
             lax.fori_loop(0, LANES, body, 0)
 
-    @pl.when(chunk == pl.num_programs(1) - 1)
+    @pl.when(last_chunk)
     def _():
         # One query at a time (a fori_loop: only one query's [H, K_p] temporaries live): V(t), u - sigma and sigma
         # are read as rows of per-step blocks and turned into columns where the heads lie on sublanes.
@@ -222,14 +273,15 @@ def _kernel(idx_smem, q_ref, kv_ref, vbits_ref, *refs, mode, scale, width_p, blo
                               top_column=None if normalize else top_ref[...])
 
 
-def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherConfig, scale: float,
+def sparse_gather_pallas(q, kv, idx, vbits, lse_in, *, mode: str, cfg: GatherConfig, scale: float,
                          normalize: bool = True, kl: Optional[fused_kl.FusedKL] = None, logits=None,
                          interpret=False):
     """Runs the gather teacher on padded, prepared inputs.
 
     Args:
-      q: [B, S_p, H, D] bf16 or f32, S_p a multiple of cfg.block_q; or a `RowWindow` holding them in place.
-      rows: u32 [B, planes, R, lanes] (`resident_rows`; blocks holding a non-finite value NaN-filled first).
+      q: [B, S_p, H, D] bf16 or f32, S_p a multiple of CORES * cfg.block_q; or a `RowWindow` holding them in place.
+      kv: [B, N_p, D] compressed_kv in q's dtype, N_p a multiple of 16, rows holding a non-finite value as given
+        (the kernel NaN-fills them as it packs its resident rows, `_pack_resident`).
       idx: int32 [B, S_p, K_p] top-k indices (any values: a slot reads row idx & (R - 1)).
       vbits: int32 [B, S_p, K_p / 32] slot bits (`selection.slot_bits`): V(t).
       lse_in: None (per_head) or ((u or F) - sigma as f32 [B, S_p, H], sigma as row statistics [B, nq, 8, bq]).
@@ -248,21 +300,27 @@ def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherC
     chunks = k_p // LANES
     bq = cfg.block_q
     nq = s_p // bq
+    if nq % CORES:
+        raise ValueError(f"idx: expected a multiple of {CORES * bq} rows (a share of whole query tiles per core), "
+                         f"got {s_p}")
+    half = nq // CORES
+    n_p = kv.shape[1]
+    if n_p % 16:
+        raise ValueError(f"kv: expected a multiple of 16 blocks (whole DMA chunks of rows), got {n_p}")
     bf16 = q.dtype == jnp.bfloat16
-    _, planes, n_rows, lanes = rows.shape
-    if n_rows & (n_rows - 1):
-        raise ValueError(f"rows: expected a power-of-two row count (`resident_rows`), got {n_rows}")
-    div = lambda p: common.index_div(p, nq)
-    rem = lambda p: common.index_rem(p, nq)
-    row = lambda p, c: (div(p), rem(p), 0)
-    tile4 = lambda p, c: (div(p), rem(p), 0, 0)
+    words = d // 2 if bf16 else d
+    planes, lanes = lane_planes(words)
+    n_rows = resident_row_count(n_p)
+    tile = lambda c, i: c * half + i  # the query tile of core c's i-th step
+    row = lambda c, bb, i, k: (bb, tile(c, i), 0)
+    tile4 = lambda c, bb, i, k: (bb, tile(c, i), 0, 0)
     in_specs = [
-        pl.BlockSpec((None, bq, LANES), lambda p, c: (div(p), rem(p), c), memory_space=pltpu.SMEM),
+        pl.BlockSpec((None, bq, LANES), lambda c, bb, i, k: (bb, tile(c, i), k), memory_space=pltpu.SMEM),
         pl.BlockSpec((None, bq, h, d), tile4),
-        pl.BlockSpec((None, planes, n_rows, lanes), lambda p, c: (div(p), 0, 0, 0), pipeline_mode=pl.Buffered(1)),
+        pl.BlockSpec(memory_space=pl.ANY),  # packed into the resident rows by the kernel
         pl.BlockSpec((None, bq, vbits.shape[2]), row),
     ]
-    operands = [idx, q, rows, vbits]
+    operands = [idx, q, kv, vbits]
     if mode != "per_head":
         in_specs += [pl.BlockSpec((None, bq, h), row),
                      pl.BlockSpec((None, None, common.SUBLANES, bq), tile4)]
@@ -282,22 +340,23 @@ def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherC
         scratch.append(pltpu.VMEM((bq, 1), jnp.float32))
     if kl is not None:
         scratch.append(pltpu.VMEM((bq, k_p), jnp.float32))
+    scratch += [pltpu.VMEM((planes, n_rows, lanes), jnp.uint32), pltpu.VMEM((2, pack_rows(n_p), d), kv.dtype),
+                pltpu.SemaphoreType.DMA((2,))]
     kernel = functools.partial(_kernel, mode=mode, scale=scale, width_p=k_p, block_q=bq, bf16=bf16,
                                normalize=normalize, unroll_slots=cfg.unroll_slots, kl=kl)
     if window is not None:  # the tile offset is scalar-prefetched: every index map takes its ref
         in_specs = [_prefetching(spec) for spec in in_specs]
-        in_specs[1] = pl.BlockSpec((None, bq, h, d), lambda p, c, first: (div(p), rem(p) + first[0], 0, 0))
+        in_specs[1] = pl.BlockSpec((None, bq, h, d), lambda c, bb, i, k, first: (bb, tile(c, i) + first[0], 0, 0))
         out_specs = ([_prefetching(spec) for spec in out_specs] if isinstance(out_specs, list) else
                      _prefetching(out_specs))
         kernel = functools.partial(_drop_prefetch, kernel)
     flops = 2 * b * s_p * k_p * h * d
     kl_bytes = 0 if kl is None else logits.size * logits.dtype.itemsize * (2 if kl.emit_gradient else 1)
-    # q once, the resident rows once per batch element of each core's share of the query tiles, the indices (SMEM
-    # blocks) and slot bits once.
-    bytes_accessed = (b * s_p * h * d * q.dtype.itemsize + common.resident_fetches(b, nq) * rows[0].size * 4
+    # q once, compressed_kv once per (core, batch element), the indices (SMEM blocks) and slot bits once.
+    bytes_accessed = (b * s_p * h * d * q.dtype.itemsize + CORES * kv.size * kv.dtype.itemsize
                       + (idx.size + vbits.size) * 4 + kl_bytes
                       + (0 if lse_in is None else lse_in[0].size * 4) + (0 if kl is not None else b * s_p * k_p * 4))
-    grid = dict(grid=(b * nq, chunks), in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
+    grid = dict(grid=(CORES, b, half, chunks), in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
     if window is not None:
         grid = dict(grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, **grid))
         operands = [window.first_tile] + operands
@@ -305,7 +364,7 @@ def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherC
         kernel,
         out_shape=out_shape,
         **grid,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=flops, transcendentals=2 * b * s_p * k_p * h,
                                       bytes_accessed=bytes_accessed),
@@ -315,8 +374,10 @@ def sparse_gather_pallas(q, rows, idx, vbits, lse_in, *, mode: str, cfg: GatherC
 
 
 def _prefetching(spec: pl.BlockSpec) -> pl.BlockSpec:
-    """spec with an index map that also takes (and ignores) the scalar-prefetched ref."""
-    return dataclasses.replace(spec, index_map=lambda p, c, first, f=spec.index_map: f(p, c))
+    """spec with an index map that also takes (and ignores) the scalar-prefetched ref after the 4 grid ids."""
+    if spec.index_map is None:  # an HBM operand (pl.ANY)
+        return spec
+    return dataclasses.replace(spec, index_map=lambda *ids, f=spec.index_map: f(*ids[:4]))
 
 
 def _drop_prefetch(kernel, first_ref, *refs):

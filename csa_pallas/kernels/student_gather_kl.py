@@ -40,10 +40,15 @@ from csa_pallas.kernels import student_gather as sg
 from csa_pallas.kernels.common import NN, NT, TN
 
 
-def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, *refs, operand, kl: fused_kl.FusedKL,
-            accumulate: bool):
+def _kernel(*refs, operand, kl: fused_kl.FusedKL, accumulate: bool, in_place: bool):
     refs = list(refs)
+    if in_place:
+        refs.pop(0)  # the chunk's tile offset: read by q's and dq's index maps only
+    idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref = refs[:7]
+    refs = refs[7:]
     dk_in_ref = refs.pop(0) if accumulate else None  # HBM, aliased to dk's output: the running partial sums
+    if in_place:
+        refs.pop(0)  # HBM, aliased to dq's output: written through dq's blocks
     (dq_ref, dw_ref, dk_ref, stats_ref, stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, buf_ref, sem_ref,
      *copy_sem) = refs
 
@@ -94,8 +99,18 @@ def _kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, *refs
     slot_rows.for_each_query([target_ref], buf_ref, sem_ref, backward)
 
 
+def rows_in_place_ok(index_q_all, chunk: int, cfg: sg.StudentGatherConfig | None = None) -> bool:
+    """Whether `loss_and_grads(rows_in_place=...)` can read chunks of `chunk` rows of index_q_all [B, S_all, H_I,
+    d_I] where they lie: d_I a whole number of lane tiles, bf16 or f32 (the kernel's own dtypes), the chunk whole
+    tiles of both TensorCores' shares (no padding)."""
+    bq = (sg.StudentGatherConfig() if cfg is None else cfg).block_q
+    return (index_q_all.shape[3] % common.LANES == 0 and index_q_all.dtype in (jnp.bfloat16, jnp.float32)
+            and chunk % (sg.CORES * bq) == 0 and index_q_all.shape[1] % chunk == 0)
+
+
 def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_dtype,
-                   cfg: sg.StudentGatherConfig | None = None, grad_scale: float = 1.0, dk_partials=None):
+                   cfg: sg.StudentGatherConfig | None = None, grad_scale: float = 1.0, dk_partials=None,
+                   rows_in_place=None):
     """(per-row KL f32 [B, S], non-empty rows bool [B, S], (d index_q, d keys, d index_weights)): the KL of
     softmax_V(I) against the teacher's slot-order target and the gradients of grad_scale * sum_t KL_t, I the
     student's scores over the selection (`student_gather.scores`). Not differentiable (the caller's custom_vjp
@@ -106,8 +121,15 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     P', -1 on empty slots and past S and K); gradients: index_q's dtype, f32 [B, R + ZERO_ROWS, d_p], f32
     [B, S, H_I]. dk_partials: None, or the TensorCores' running dk sums f32 [CORES, B, R + SCATTER_GROUP, d_p]
     (`dk_partials_zeros`; a query-chunked caller's carry), which the kernel adds to in place (the buffer is
-    aliased to its output) and returns as d keys instead (`finish_dk_partials` turns them into d keys)."""
-    b, s, h, d = index_q.shape
+    aliased to its output) and returns as d keys instead (`finish_dk_partials` turns them into d keys).
+    rows_in_place: None, or (index_q_all [B, S_all, H_I, d_I], dq_all of its shape and dtype, first_row int32
+    scalar) with index_q None (`rows_in_place_ok`; a query-chunked caller): the chunk's rows are read from
+    index_q_all and their gradient written into dq_all (aliased to the output) at first_row, through a
+    scalar-prefetched tile offset, and d index_q comes back as the whole updated dq_all (no chunk copies)."""
+    if rows_in_place is not None:
+        index_q, dq_all, first_row = rows_in_place
+    b, _, h, d = index_q.shape
+    s = topk_indices.shape[1]
     k = topk_indices.shape[2]
     rows, d_p = keys.shape[1] - sg.ZERO_ROWS, keys.shape[2]
     cfg = sg.StudentGatherConfig() if cfg is None else cfg
@@ -115,7 +137,13 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     s_p, k_p = common.round_up(s, sg.CORES * bq), common.round_up(k, 128)
     nq, half = s_p // bq, s_p // bq // sg.CORES
     q_dtype = jnp.bfloat16 if index_q.dtype == jnp.bfloat16 else jnp.float32
-    q = jnp.pad(index_q.astype(q_dtype), ((0, 0), (0, s_p - s), (0, 0), (0, d_p - d))).reshape(b * s_p, h, d_p)
+    in_place = rows_in_place is not None
+    if in_place:  # [B * S_all, H_I, d_p]: a free reshape; a chunk's tiles start at its first row's tile
+        s_all = index_q.shape[1]
+        q = index_q.reshape(b * s_all, h, d_p)
+        first_tile = (first_row // bq).astype(jnp.int32).reshape(1)
+    else:
+        q = jnp.pad(index_q.astype(q_dtype), ((0, 0), (0, s_p - s), (0, 0), (0, d_p - d))).reshape(b * s_p, h, d_p)
     w = jnp.pad(index_weights.astype(jnp.float32), ((0, 0), (0, s_p - s), (0, 0))).reshape(b * s_p, h)
     idx = jnp.pad(topk_indices.astype(jnp.int32), ((0, 0), (0, s_p - s), (0, k_p - k)), constant_values=-1)
     p = jnp.pad(target[:, :s, :k].astype(jnp.float32), ((0, 0), (0, s_p - s), (0, k_p - k)),
@@ -129,7 +157,7 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     targets, counts = sg.scatter_plan(idx, valid.astype(jnp.float32), rows)
     kl = fused_kl.FusedKL(emit_gradient=True, seq_len=s, grad_scale=grad_scale)
     acc_rows = rows + sg.SCATTER_GROUP
-    tile = lambda c, bb, i: bb * nq + c * half + i
+    tile = lambda c, bb, i, *_: bb * nq + c * half + i  # *_: the scalar-prefetched ref, if any
     slots = pl.BlockSpec((bq, k_p), lambda *g: (tile(*g), 0), memory_space=pltpu.SMEM)
     slot_values = pl.BlockSpec((bq, k_p), lambda *g: (tile(*g), 0))
     operand = jnp.dtype(operand_dtype)
@@ -138,44 +166,56 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
             + 4 * sg.CORES * b * (rows + sg.ZERO_ROWS) * d_p)
     written = b * s_p * (h * d_p * q.dtype.itemsize + 4 * h) + 4 * sg.CORES * b * acc_rows * d_p + 4 * b * nq * 8 * bq
     accumulate = dk_partials is not None
+    q_tile = tile if not in_place else lambda c, bb, i, first: bb * (s_all // bq) + first[0] + c * half + i
     in_specs = [slots, slots,
-                pl.BlockSpec((bq, h, d_p), lambda *g: (tile(*g), 0, 0)),
+                pl.BlockSpec((bq, h, d_p), lambda *g: (q_tile(*g), 0, 0)),
                 pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
-                pl.BlockSpec((None, rows + sg.ZERO_ROWS, d_p), lambda c, bb, i: (bb, 0, 0),
+                pl.BlockSpec((None, rows + sg.ZERO_ROWS, d_p), lambda c, bb, i, *_: (bb, 0, 0),
                              pipeline_mode=pl.Buffered(1)),
                 slot_values, slot_values]
     operands = [idx, targets, q, w, keys, p, counts]
+    aliases = {}
     if accumulate:  # read once per (core, batch element) by a DMA into dk's VMEM block (no second VMEM block)
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
         operands.append(dk_partials.reshape(sg.CORES * b, acc_rows, d_p))
+        aliases[len(operands) - 1] = 2
         read += 4 * sg.CORES * b * acc_rows * d_p
+    if in_place:  # the chunk's dq blocks land in dq_all; the other rows keep what the aliased buffer holds
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        operands.append(dq_all.reshape(q.shape))
+        aliases[len(operands) - 1] = 0
+    out_specs = (pl.BlockSpec((bq, h, d_p), lambda *g: (q_tile(*g), 0, 0)),
+                 pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
+                 pl.BlockSpec((1, acc_rows, d_p), lambda c, bb, i, *_: (c * b + bb, 0, 0)),
+                 pl.BlockSpec((None, None, fused_kl.KL_STAT_ROWS, bq), lambda c, bb, i, *_: (bb, c * half + i, 0, 0)))
+    kernel = functools.partial(_kernel, operand=operand, kl=kl, accumulate=accumulate, in_place=in_place)
+    grid = dict(grid=(sg.CORES, b, half), in_specs=in_specs, out_specs=out_specs,
+                scratch_shapes=[pltpu.VMEM((bq, k_p // 8, 8, d_p), jnp.float32), pltpu.VMEM((bq, k_p), jnp.float32),
+                                pltpu.VMEM((bq, k_p), jnp.float32), pltpu.VMEM((k_p, d_p), jnp.float32),
+                                pltpu.VMEM((bq, h, k_p), jnp.float32)] + slot_rows.scratch(k_p, 1)
+                               + ([pltpu.SemaphoreType.DMA(())] if accumulate else []))
+    if in_place:  # the tile offset is scalar-prefetched: every index map takes its ref (q's and dq's read it)
+        grid = dict(grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, **grid))
+        operands = [first_tile] + operands
+        aliases = {i + 1: o for i, o in aliases.items()}
     dq, dw, dk, stats = runtime.pallas_call(
-        functools.partial(_kernel, operand=operand, kl=kl, accumulate=accumulate),
+        kernel,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32),
                    jax.ShapeDtypeStruct((sg.CORES * b, acc_rows, d_p), jnp.float32),
                    jax.ShapeDtypeStruct((b, nq, fused_kl.KL_STAT_ROWS, bq), jnp.float32)),
-        grid=(sg.CORES, b, half),
-        in_specs=in_specs,
-        out_specs=(pl.BlockSpec((bq, h, d_p), lambda *g: (tile(*g), 0, 0)),
-                   pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
-                   pl.BlockSpec((1, acc_rows, d_p), lambda c, bb, i: (c * b + bb, 0, 0)),
-                   pl.BlockSpec((None, None, fused_kl.KL_STAT_ROWS, bq), lambda c, bb, i: (bb, c * half + i, 0, 0))),
-        scratch_shapes=[pltpu.VMEM((bq, k_p // 8, 8, d_p), jnp.float32), pltpu.VMEM((bq, k_p), jnp.float32),
-                        pltpu.VMEM((bq, k_p), jnp.float32), pltpu.VMEM((k_p, d_p), jnp.float32),
-                        pltpu.VMEM((bq, h, k_p), jnp.float32)] + slot_rows.scratch(k_p, 1)
-                       + ([pltpu.SemaphoreType.DMA(())] if accumulate else []),
-        input_output_aliases={len(operands) - 1: 2} if accumulate else {},
+        **grid,
+        input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=passes * 2 * b * s_p * k_p * h * d_p, transcendentals=b * s_p * k_p,
                                       bytes_accessed=read + written),
         interpret=runtime.interpret_mode(),
-        name=f"csa_student_gather_kl_grads_bq{bq}",
+        name=f"csa_student_gather_kl_grads_bq{bq}{'_in_place' if in_place else ''}",
     )(*operands)
     dk = dk.reshape(sg.CORES, b, acc_rows, d_p)
     kl_rows = stats[:, :, 0, :].reshape(b, s_p)[:, :s]
     nonempty = stats[:, :, 3, :].reshape(b, s_p)[:, :s] > 0
-    dq = dq.reshape(b, s_p, h, d_p)[:, :s, :, :d].astype(index_q.dtype)
+    dq = dq.reshape(index_q.shape) if in_place else dq.reshape(b, s_p, h, d_p)[:, :s, :, :d].astype(index_q.dtype)
     dw = dw.reshape(b, s_p, h)[:, :s]
     return kl_rows, nonempty, (dq, dk if accumulate else finish_dk_partials(dk), dw)
 
