@@ -255,8 +255,8 @@ def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student, ro
     #  * one chunk: the problem itself, `ops.kernel_keys` (non-finite rows NaN-filled, a copy);
     #  * dense, several chunks: the keys as given; each chunk makes its rows that read a non-finite block NaN
     #    through their query rows (`_poisoned`; the chunk's q rows are a copy anyway): the same rows NaN (SPEC §3);
-    #  * sparse gather path, several chunks: the keys as given (the gather kernel NaN-fills the rows as it packs
-    #    its resident copy in VMEM; a packed copy in HBM was a 32 MiB temp at 128K);
+    #  * sparse gather path, several chunks: the keys as given (the gather kernel makes +-inf NaN as it packs its
+    #    resident copy in VMEM; a packed copy in HBM was a 32 MiB temp at 128K);
     #  * sparse visit path: the NaN-filled keys (short context: N is small there).
     many = chunk < problem.seq_len
     gather = False

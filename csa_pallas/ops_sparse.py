@@ -235,7 +235,7 @@ def in_place_rows(problem: Problem, layout: SparseLayout) -> bool:
 
 def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
     """(mode, q, kv, lse_in): the sparse kernels' padded operands (stop-gradient; the gather path's kv with its
-    non-finite rows as given: its kernel NaN-fills them as it packs its resident rows); reduce_low: see
+    non-finite rows as given: its kernel makes +-inf NaN as it packs its resident rows); reduce_low: see
     `ops.lse_blocks`."""
     cfg = layout.cfg
     mode = ops.teacher_mode(problem)
@@ -248,8 +248,7 @@ def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):
         q = ops.pad_axis(jax.lax.stop_gradient(problem.q).astype(dtype), 1, layout.padded_seq)
     to_hbm = None
     if layout.path == "gather":
-        kv = ops.pad_axis(problem.compressed_kv if problem.kv_ready else ops.cast_keys(problem), 1,
-                          layout.padded_blocks)
+        kv = ops.pad_axis(ops.cast_keys(problem), 1, layout.padded_blocks)  # kv_ready: already cast, no copy
         to_hbm = lambda shifted: shifted  # [B, S_p, H]: per-step [bq, H] blocks
     else:
         kv = ops.pad_axis(ops.kernel_keys(problem), 1, layout.padded_blocks)

@@ -382,13 +382,13 @@ def fused_grad_rounding_scales(index_q, index_k, index_weights, q, compressed_kv
     chain rule run on |scale g / n| (Q + P) (an f32 Q - P is off by a few ulps of Q + P, however well Q and P
     cancel) with every factor in absolute value. float64 (d index_q, d index_k, d index_weights)-shaped."""
     I = indexer_scores(index_q, index_k, index_weights, kw.get("topk_indices"))
-    weight = np.abs(loss_grad(I, q, compressed_kv, **kw))  # |scale g / n| |Q - P| on V(t) ...
     reduction, scale, cotangent = kw.pop("reduction", "mean"), kw.pop("scale", 1.0), kw.pop("cotangent", 1.0)
     shape, rows = _rows(q, compressed_kv, **kw)
-    n = _divisor(reduction, np.zeros(shape[:2]), len(rows))
+    n = _divisor(reduction, np.zeros(shape[:2]), len(rows))  # 1 for "none"
     g = np.broadcast_to(np.abs(_f64(cotangent)), shape[:2])
-    for (b, t), (slots, p, logq) in _student(I, shape, rows).items():  # ... replaced by |scale g / n| (Q + P)
-        weight[b, t, slots] = abs(scale) * g[b, t] * (np.exp(logq) + p) / (1 if reduction == "none" else n)
+    weight = np.zeros(shape)  # 0 outside V(t) and on empty rows, as `loss_grad`
+    for (b, t), (slots, p, logq) in _student(I, shape, rows).items():
+        weight[b, t, slots] = abs(scale) * g[b, t] * (np.exp(logq) + p) / n
     return _chain_rule(index_q, index_k, index_weights, weight, kw.get("topk_indices"), absolute=True)
 
 

@@ -281,7 +281,7 @@ def sparse_gather_pallas(q, kv, idx, vbits, lse_in, *, mode: str, cfg: GatherCon
     Args:
       q: [B, S_p, H, D] bf16 or f32, S_p a multiple of CORES * cfg.block_q; or a `RowWindow` holding them in place.
       kv: [B, N_p, D] compressed_kv in q's dtype, N_p a multiple of 16, rows holding a non-finite value as given
-        (the kernel NaN-fills them as it packs its resident rows, `_pack_resident`).
+        (the kernel makes +-inf NaN as it packs its resident rows, `_pack_resident`).
       idx: int32 [B, S_p, K_p] top-k indices (any values: a slot reads row idx & (R - 1)).
       vbits: int32 [B, S_p, K_p / 32] slot bits (`selection.slot_bits`): V(t).
       lse_in: None (per_head) or ((u or F) - sigma as f32 [B, S_p, H], sigma as row statistics [B, nq, 8, bq]).
