@@ -17,17 +17,19 @@ sparse mode): every query gathers its K selected index_k rows, as the sparse tea
   (primes: non-finite entries as 0, the weights in G too; the scores from the inputs as given: SPEC §6's agreement
   with `student._exact_chunk_scores` on non-finite inputs);
   dk is accumulated in VMEM per TensorCore (grid (2 cores, batch, query tiles / 2), the two partial [R, d_p] sums
-  added in XLA) by read-modify-writes batched SCATTER_GROUP slots at a time: loads, then stores. Batching needs
-  the targets of a group to be distinct, so XLA first folds the cotangent of every slot that reads the same row
-  as an earlier slot of its group into that slot and sends it to a discarded row (`scatter_plan`; exact, as the
-  gradients are linear in the cotangent).
+  added in XLA) by read-modify-writes batched SCATTER_GROUP slots at a time (`add_rows_to_targets`: loads, then
+  stores; alternate groups into two accumulators; 8-row windows, so a slot's row is added where its tile holds
+  it). Batching needs the targets of a group to be distinct, so XLA first folds the cotangent of every slot that
+  reads the same row as an earlier slot of its group into that slot and sends it to a discarded row
+  (`scatter_plan`; exact, as the gradients are linear in the cotangent).
 
-Static v5p estimates (tpu_estimate; S = 32K, K = 512, H_I = 64, d_I = 128, bf16): the scalar unit bounds the
-per-slot work (the gather's row loads, the read-modify-writes' targets), so the slots are read from static SMEM
-rows (`slot_rows`) and the read-modify-writes batched (2.5 cycles per slot in groups of 16 against 4.2 one slot
-at a time). Where the loss takes its gradient in the forward pass, the default (`StudentGatherConfig.fuse_kl`) is
-one kernel that gathers the rows once for the scores, the KL and the gradients (`student_gather_kl`): 20.6 ms at
-S = 32K, ~4.3 cycles per slot per TensorCore (README, "Sparse mode" of the fused student, for the history).
+Static v5p estimates (tpu_estimate; S = 32K, K = 512, H_I = 64, d_I = 128, bf16): the scalar unit and the vector
+load and store slots bound the per-slot work (the gather's row loads, the read-modify-writes), so the slots are
+read from static SMEM rows (`slot_rows`) and the read-modify-writes batched. Where the loss takes its gradient in
+the forward pass, the default (`StudentGatherConfig.fuse_kl`) is one kernel that gathers the rows once for the
+scores, the KL and the gradients (`student_gather_kl`): 17.2 ms at S = 32K, ~3.6 cycles per slot per TensorCore
+(20.7 and 4.3 with one accumulator and single-row adds; README, "Sparse mode" of the fused student, for the
+history).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -44,13 +47,17 @@ from csa_pallas.kernels import common, runtime, slot_rows, sparse_gather, studen
 from csa_pallas.kernels.common import NN, NT, TN
 
 CORES = common.MEGACORE  # the backward's dk partial sums: one per TensorCore
-# Slots per batched read-modify-write of dk (static v5p estimates per slot row: 4.2 cycles one at a time, 2.9 in
-# groups of 8, 2.5 of 16, 4.2 of 32, whose rows no longer fit the registers).
-SCATTER_GROUP = 16
+# Slots per batched read-modify-write of dk (`add_rows_to_targets`; a multiple of 8). Static v5p estimates of the
+# one-kernel gradient pass at S = 32K (phase 3, per query): one accumulator and single-row adds, 16 per group 1,481
+# bundles; two accumulators 1,205; with the 8-row windows (one load of the rows per 8 slots) 1,297 in groups of 16
+# (the addresses of 32 slots in flight spill the scalar registers) and 1,098 in groups of 8.
+SCATTER_GROUP = 8
 # Zero rows past the R resident keys (one sublane tile): a slot that takes no part (empty, out of range, future, a
 # masked or empty row, padding) reads row R in the gradient pass, so a non-finite index_k row it does not see never
 # meets its zero cotangent in a product (0 * NaN), and its read-modify-write goes to a discarded row.
 ZERO_ROWS = 8
+# Leading rows of a dk accumulator: a target's 8-row window (`add_rows_to_targets`) starts up to 7 rows above it.
+ACC_FRONT = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +80,13 @@ class StudentGatherConfig:
 
 
 def vmem_bytes(cfg: StudentGatherConfig, *, num_blocks: int, heads: int, head_dim: int, width: int) -> int:
-    """width: K_p (K rounded up to 128). VMEM of the largest kernel, the gradient kernel: resident keys, dk's
-    accumulator (double-buffered output), the staging rows, the per-step blocks and one query's [H_I, K_p] /
-    [K_p, d_p] temporaries; with fuse_kl (`student_gather_kl`) also the staging of every query of a tile and its
-    [block_q, K_p] scores, G, P' and counts and its [block_q, H_I, K_p] products."""
+    """width: K_p (K rounded up to 128). VMEM of the largest kernel, the gradient kernel: resident keys, dk's two
+    accumulators (the single-buffered output and a scratch), the staging rows, the per-step blocks and one
+    query's [H_I, K_p] / [K_p, d_p] temporaries; with fuse_kl (`student_gather_kl`) also the staging of every
+    query of a tile and its [block_q, K_p] scores, G, P' and counts and its [block_q, H_I, K_p] products."""
     rows, d_p = sparse_gather.resident_row_count(num_blocks), common.round_up(head_dim, 128)
     k_p, bq = width, cfg.block_q
-    resident = (3 * rows + ZERO_ROWS + 2 * SCATTER_GROUP) * d_p * 4  # the keys; dk's accumulator, double-buffered
+    resident = (rows + ZERO_ROWS + 2 * accumulator_rows(rows)) * d_p * 4  # the keys; dk's two accumulators
     blocks = 2 * bq * (2 * heads * d_p * 4 + 2 * heads * 4 + 2 * k_p * 4)
     fused = (bq - 1) * k_p * d_p * 4 + 6 * bq * k_p * 4 + bq * heads * k_p * 4 if cfg.fuse_kl else 0
     return resident + blocks + 2 * k_p * d_p * 4 + 8 * heads * k_p * 4 + 4 * k_p * d_p * 4 + fused
@@ -87,7 +94,7 @@ def vmem_bytes(cfg: StudentGatherConfig, *, num_blocks: int, heads: int, head_di
 
 def default_config(*, num_blocks: int, heads: int, head_dim: int, width: int,
                    vmem_capacity: int = 64 * common.MiB):
-    """8 queries per step; None when the resident keys and dk's accumulator do not fit in VMEM. width: K."""
+    """8 queries per step; None when the resident keys and dk's accumulators do not fit in VMEM. width: K."""
     cfg = StudentGatherConfig()
     need = vmem_bytes(cfg, num_blocks=num_blocks, heads=heads, head_dim=head_dim,
                       width=common.round_up(width, 128))
@@ -107,15 +114,39 @@ def gathered_rows(slots, keys_ref, stage_ref, operand):
     return stage_ref[...].reshape(width, keys_ref.shape[1]).astype(operand)
 
 
-def add_rows_to_targets(targets_row, rows_ref, acc_ref):
-    """acc[targets_row[k]] += rows[k] for every slot k of a query: SCATTER_GROUP rows are loaded, then stored (the
-    targets are distinct within a group, `scatter_plan`), so the stores do not wait on possibly aliasing loads
-    one slot at a time. targets_row: [K_p] in a static SMEM row (`slot_rows`)."""
+def accumulator_rows(resident_rows: int) -> int:
+    """Rows of a dk accumulator for R resident rows: ACC_FRONT leading rows, the R rows (row r at ACC_FRONT + r), the
+    SCATTER_GROUP discarded targets of `scatter_plan` and a sublane tile more (a target's 8-row window,
+    `add_rows_to_targets`, reaches up to 7 rows either side of it)."""
+    return ACC_FRONT + resident_rows + SCATTER_GROUP + common.SUBLANES
+
+
+def add_rows_to_targets(targets_row, rows_ref, acc_refs):
+    """acc[ACC_FRONT + targets_row[k]] += rows[k] for every slot k of a query, acc one of the accumulators acc_refs
+    (their sum is the result).
+
+    Slot k's row reaches its target in sublane k % 8, where rows_ref holds it: the 8-row window of acc starting
+    k % 8 rows above the target is loaded (one unaligned load), the whole [8, d_p] tile of rows holding row k is
+    added, and only sublane k % 8 is stored back (a masked store), so no row is moved between sublanes and one
+    load of rows_ref serves 8 slots. SCATTER_GROUP windows are loaded, then stored (the targets are distinct
+    within a group, `scatter_plan`, and each store writes its target only), so the stores do not wait on
+    possibly aliasing loads one slot at a time; with two accumulators consecutive groups alternate between them,
+    so a group's loads need not wait for the previous group's stores either (distinct buffers cannot alias).
+    targets_row: [K_p] in a static SMEM row (`slot_rows`); rows_ref: f32 [K_p, d_p]; acc_refs: f32
+    [..., accumulator_rows(R), d_p] each (unit leading dims)."""
+    d_p = rows_ref.shape[1]
+    sublane = lax.broadcasted_iota(jnp.int32, (common.SUBLANES, d_p), 0)
     for start in range(0, targets_row.shape[0], SCATTER_GROUP):
-        targets = [targets_row[start + e] for e in range(SCATTER_GROUP)]
-        old = [acc_ref[pl.ds(r, 1), :] for r in targets]
-        for e, r in enumerate(targets):
-            acc_ref[pl.ds(r, 1), :] = old[e] + rows_ref[pl.ds(start + e, 1), :]
+        acc_ref = acc_refs[(start // SCATTER_GROUP) % len(acc_refs)]
+        # unit leading dims as unit slices: one indexing transform, whose masked store the interpreter discharges
+        lead = (pl.ds(0, 1),) * (len(acc_ref.shape) - 2)
+        shape = (1,) * len(lead) + (common.SUBLANES, d_p)
+        tiles = [rows_ref[pl.ds(start + 8 * i, 8), :].reshape(shape) for i in range(SCATTER_GROUP // 8)]
+        windows = [acc_ref.at[lead + (pl.ds(targets_row[start + e] + ACC_FRONT - e % 8, 8), slice(None))]
+                   for e in range(SCATTER_GROUP)]
+        old = [window[...] for window in windows]
+        for e, window in enumerate(windows):
+            pltpu.store(window, old[e] + tiles[e // 8], mask=(sublane == e % 8).reshape(shape))
 
 
 def weight_gradient(g, z):
@@ -135,10 +166,17 @@ def _scores_kernel(idx_ref, q_ref, w_ref, keys_ref, out_ref, stage_ref, buf_ref,
 
 
 def _grads_kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, g_ref, dq_ref, dw_ref, dk_ref, stage_ref,
-                  dk_rows_ref, buf_ref, sem_ref, *, operand):
-    @pl.when(pl.program_id(2) == 0)  # the first query tile of this core's walk over a batch element
+                  dk_rows_ref, buf_ref, sem_ref, dk_odd_ref, *, operand):
+    step, fold_step = pl.program_id(2), pl.num_programs(2) - 1  # read at the top level (the interpreter's rule)
+
+    @pl.when(step == 0)  # the first query tile of this core's walk over a batch element
     def _():
         dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
+        dk_odd_ref[...] = jnp.zeros(dk_odd_ref.shape, dk_odd_ref.dtype)
+
+    @pl.when(step == fold_step)  # one step past the core's query tiles: the odd groups' sums join the even ones'
+    def _():  # (`student_gather_kl._kernel` says why not at the end of the last tile's step)
+        dk_ref[...] += dk_odd_ref[...]
 
     def per_query(t, slots, targets):
         rows = gathered_rows(slots, keys_ref, stage_ref, operand)
@@ -154,9 +192,11 @@ def _grads_kernel(idx_ref, target_ref, q_ref, w_ref, keys_ref, g_ref, dq_ref, dw
         dq_ref[t] = sum(common.exact_dot(x, clean_rows, NN) for x in terms).astype(dq_ref.dtype)
         clean_q = common.finite_or_zero(q_ref[t]).astype(operand)
         dk_rows_ref[...] = sum(common.exact_dot(x, clean_q, TN) for x in terms)  # [K_p, d_p]
-        add_rows_to_targets(targets, dk_rows_ref, dk_ref)
+        add_rows_to_targets(targets, dk_rows_ref, (dk_ref, dk_odd_ref))
 
-    slot_rows.for_each_query([idx_ref, target_ref], buf_ref, sem_ref, per_query)
+    @pl.when(step < fold_step)
+    def _():
+        slot_rows.for_each_query([idx_ref, target_ref], buf_ref, sem_ref, per_query)
 
 
 def scatter_plan(idx, g, rows: int):
@@ -237,9 +277,10 @@ def _forward(st: _Static, idx, q, w, keys):
 
 def _backward(st: _Static, idx, q, w, keys, g):
     bq, half = st.cfg.block_q, st.nq // CORES
-    tile = lambda c, b, i: b * st.nq + c * half + i
+    # step `half` of a core (the dk sum, `_grads_kernel`) keeps its last tile's blocks: nothing fetched or written
+    tile = lambda c, b, i: b * st.nq + c * half + jnp.minimum(i, half - 1)
     b, s, h, d = st.batch, st.padded_rows, st.heads, st.head_dim
-    acc_rows = st.resident_rows + SCATTER_GROUP  # the resident rows and the discarded targets of `scatter_plan`
+    acc_rows = accumulator_rows(st.resident_rows)  # the resident rows and the discarded targets of `scatter_plan`
     passes = 1 + 2 * (1 if st.operand_dtype == jnp.float32 else 2)
     written = b * (s * h * d * q.dtype.itemsize + 4 * s * h) + 4 * CORES * b * acc_rows * d
     # A slot with a zero cotangent (every slot outside V(t)) reads a zero row: exact, as it contributes nothing.
@@ -250,23 +291,26 @@ def _backward(st: _Static, idx, q, w, keys, g):
         functools.partial(_grads_kernel, operand=st.operand_dtype),
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32),
                    jax.ShapeDtypeStruct((CORES, b, acc_rows, d), jnp.float32)),
-        grid=(CORES, b, half),
+        grid=(CORES, b, half + 1),
         in_specs=[query[0], query[0]] + query[1:] + [
             pl.BlockSpec((None, st.resident_rows + ZERO_ROWS, d), lambda c, bb, i: (bb, 0, 0),
                          pipeline_mode=pl.Buffered(1)),
             pl.BlockSpec((bq, st.width), lambda *g_: (tile(*g_), 0))],
         out_specs=(pl.BlockSpec((bq, h, d), lambda *g_: (tile(*g_), 0, 0)),
                    pl.BlockSpec((bq, h), lambda *g_: (tile(*g_), 0)),
-                   pl.BlockSpec((None, None, acc_rows, d), lambda c, bb, i: (c, bb, 0, 0))),
+                   # one buffer (its block changes once per core and batch element): the odd accumulator
+                   # takes the VMEM of the second
+                   pl.BlockSpec((None, None, acc_rows, d), lambda c, bb, i: (c, bb, 0, 0),
+                                pipeline_mode=pl.Buffered(1))),
         scratch_shapes=[pltpu.VMEM((st.width // 8, 8, d), jnp.float32), pltpu.VMEM((st.width, d), jnp.float32)]
-        + slot_rows.scratch(st.width, 2),
+        + slot_rows.scratch(st.width, 2) + [pltpu.VMEM((acc_rows, d), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=st.cfg.vmem_limit_bytes),
         cost_estimate=st.cost(passes, written, q.dtype.itemsize, 3, CORES * b),
         interpret=st.interpret,
         name=f"csa_student_gather_grads_bq{bq}",
     )(idx, targets, q, w, keys, g)
-    dk = jnp.sum(dk[:, :, :st.resident_rows], axis=0)
+    dk = jnp.sum(dk[:, :, ACC_FRONT:ACC_FRONT + st.resident_rows], axis=0)
     return dq, dw, jnp.pad(dk, ((0, 0), (0, ZERO_ROWS), (0, 0)))  # the zero rows' cotangent: 0
 
 

@@ -50,13 +50,14 @@ def _kernel(*refs, operand, kl: fused_kl.FusedKL, accumulate: bool, in_place: bo
     if in_place:
         refs.pop(0)  # HBM, aliased to dq's output: written through dq's blocks
     (dq_ref, dw_ref, dk_ref, stats_ref, stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, buf_ref, sem_ref,
-     *copy_sem) = refs
+     dk_odd_ref, *copy_sem) = refs
 
     # this core's partial sums for this batch element (flattened [CORES * B, ...]; the grid ids are read out here:
     # the interpreter resolves them at the kernel's top level only)
     which = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
+    step, fold_step = pl.program_id(2), pl.num_programs(2) - 1
 
-    @pl.when(pl.program_id(2) == 0)  # the first query tile of this core's walk over a batch element
+    @pl.when(step == 0)  # the first query tile of this core's walk over a batch element
     def _():
         if accumulate:  # start from the partial sums of the previous query chunks (no XLA add per chunk)
             copy = pltpu.make_async_copy(dk_in_ref.at[pl.ds(which, 1)], dk_ref, copy_sem[0])
@@ -64,7 +65,26 @@ def _kernel(*refs, operand, kl: fused_kl.FusedKL, accumulate: bool, in_place: bo
             copy.wait()
         else:
             dk_ref[...] = jnp.zeros(dk_ref.shape, dk_ref.dtype)
+        dk_odd_ref[...] = jnp.zeros(dk_odd_ref.shape, dk_odd_ref.dtype)
 
+    # One step past the core's query tiles (its blocks those of the last tile, so nothing is fetched or written
+    # back): the odd groups' sums join the even ones', once. (At the end of the last tile's step instead, the
+    # static estimate charged the sum to every step: the branch's condition, read after the query loops, is not
+    # statically computable for it.)
+    @pl.when(step == fold_step)
+    def _():
+        dk_ref[...] += dk_odd_ref[...]
+
+    @pl.when(step < fold_step)
+    def _():
+        _tile(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_ref, dw_ref, dk_ref, stats_ref,
+              stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, buf_ref, sem_ref, dk_odd_ref, operand=operand,
+              kl=kl)
+
+
+def _tile(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_ref, dw_ref, dk_ref, stats_ref,
+          stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, buf_ref, sem_ref, dk_odd_ref, *, operand, kl):
+    """One query tile: the scores (phase 1), the tile's KL and G (2), the gradients (3)."""
     width = idx_ref.shape[1]
     d_p = keys_ref.shape[1]
 
@@ -94,7 +114,8 @@ def _kernel(*refs, operand, kl: fused_kl.FusedKL, accumulate: bool, in_place: bo
         dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
         folded = common.hi_lo_terms(jnp.where(positive, w * (g * count_ref[pl.ds(t, 1), :]), 0.0), operand)
         dk_rows_ref[...] = sum(common.exact_dot(x, q, TN) for x in folded)  # [K_p, d_p]
-        sg.add_rows_to_targets(targets, dk_rows_ref, dk_ref.at[0])  # distinct targets per group
+        # distinct targets per group; the odd groups add into a second accumulator (`sg.add_rows_to_targets`)
+        sg.add_rows_to_targets(targets, dk_rows_ref, (dk_ref, dk_odd_ref))
 
     slot_rows.for_each_query([target_ref], buf_ref, sem_ref, backward)
 
@@ -119,7 +140,7 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     index_q float [B, S, H_I, d_I]; keys f32 [B, R + ZERO_ROWS, d_p] (`student_gather.resident_keys`); index_weights
     [B, S, H_I]; topk_indices int [B, S, K]; target f32 [B, S_t, K_t] (S_t >= S, K_t >= K: the teacher's padded
     P', -1 on empty slots and past S and K); gradients: index_q's dtype, f32 [B, R + ZERO_ROWS, d_p], f32
-    [B, S, H_I]. dk_partials: None, or the TensorCores' running dk sums f32 [CORES, B, R + SCATTER_GROUP, d_p]
+    [B, S, H_I]. dk_partials: None, or the TensorCores' running dk sums f32 [CORES, B, accumulator_rows(R), d_p]
     (`dk_partials_zeros`; a query-chunked caller's carry), which the kernel adds to in place (the buffer is
     aliased to its output) and returns as d keys instead (`finish_dk_partials` turns them into d keys).
     rows_in_place: None, or (index_q_all [B, S_all, H_I, d_I], dq_all of its shape and dtype, first_row int32
@@ -156,8 +177,10 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
     # read row R, so the first slot reading a valid row is valid).
     targets, counts = sg.scatter_plan(idx, valid.astype(jnp.float32), rows)
     kl = fused_kl.FusedKL(emit_gradient=True, seq_len=s, grad_scale=grad_scale)
-    acc_rows = rows + sg.SCATTER_GROUP
-    tile = lambda c, bb, i, *_: bb * nq + c * half + i  # *_: the scalar-prefetched ref, if any
+    acc_rows = sg.accumulator_rows(rows)
+    # *_: the scalar-prefetched ref, if any; step `half` of a core (the dk sum, `_kernel`) keeps its last tile's blocks
+    last = lambda i: jnp.minimum(i, half - 1)
+    tile = lambda c, bb, i, *_: bb * nq + c * half + last(i)
     slots = pl.BlockSpec((bq, k_p), lambda *g: (tile(*g), 0), memory_space=pltpu.SMEM)
     slot_values = pl.BlockSpec((bq, k_p), lambda *g: (tile(*g), 0))
     operand = jnp.dtype(operand_dtype)
@@ -166,7 +189,7 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
             + 4 * sg.CORES * b * (rows + sg.ZERO_ROWS) * d_p)
     written = b * s_p * (h * d_p * q.dtype.itemsize + 4 * h) + 4 * sg.CORES * b * acc_rows * d_p + 4 * b * nq * 8 * bq
     accumulate = dk_partials is not None
-    q_tile = tile if not in_place else lambda c, bb, i, first: bb * (s_all // bq) + first[0] + c * half + i
+    q_tile = tile if not in_place else lambda c, bb, i, first: bb * (s_all // bq) + first[0] + c * half + last(i)
     in_specs = [slots, slots,
                 pl.BlockSpec((bq, h, d_p), lambda *g: (q_tile(*g), 0, 0)),
                 pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
@@ -186,13 +209,18 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
         aliases[len(operands) - 1] = 0
     out_specs = (pl.BlockSpec((bq, h, d_p), lambda *g: (q_tile(*g), 0, 0)),
                  pl.BlockSpec((bq, h), lambda *g: (tile(*g), 0)),
-                 pl.BlockSpec((1, acc_rows, d_p), lambda c, bb, i, *_: (c * b + bb, 0, 0)),
-                 pl.BlockSpec((None, None, fused_kl.KL_STAT_ROWS, bq), lambda c, bb, i, *_: (bb, c * half + i, 0, 0)))
+                 # one buffer: its block changes once per (core, batch element), and the odd groups' accumulator
+                 # takes the VMEM of the second
+                 pl.BlockSpec((1, acc_rows, d_p), lambda c, bb, i, *_: (c * b + bb, 0, 0),
+                              pipeline_mode=pl.Buffered(1)),
+                 pl.BlockSpec((None, None, fused_kl.KL_STAT_ROWS, bq),
+                              lambda c, bb, i, *_: (bb, c * half + last(i), 0, 0)))
     kernel = functools.partial(_kernel, operand=operand, kl=kl, accumulate=accumulate, in_place=in_place)
-    grid = dict(grid=(sg.CORES, b, half), in_specs=in_specs, out_specs=out_specs,
+    grid = dict(grid=(sg.CORES, b, half + 1), in_specs=in_specs, out_specs=out_specs,
                 scratch_shapes=[pltpu.VMEM((bq, k_p // 8, 8, d_p), jnp.float32), pltpu.VMEM((bq, k_p), jnp.float32),
                                 pltpu.VMEM((bq, k_p), jnp.float32), pltpu.VMEM((k_p, d_p), jnp.float32),
                                 pltpu.VMEM((bq, h, k_p), jnp.float32)] + slot_rows.scratch(k_p, 1)
+                               + [pltpu.VMEM((1, acc_rows, d_p), jnp.float32)]
                                + ([pltpu.SemaphoreType.DMA(())] if accumulate else []))
     if in_place:  # the tile offset is scalar-prefetched: every index map takes its ref (q's and dq's read it)
         grid = dict(grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, **grid))
@@ -221,14 +249,15 @@ def loss_and_grads(index_q, keys, index_weights, topk_indices, target, operand_d
 
 
 def dk_partials_zeros(keys):
-    """Zero running dk sums for `loss_and_grads(dk_partials=...)`: f32 [CORES, B, R + SCATTER_GROUP, d_p] for the
+    """Zero running dk sums for `loss_and_grads(dk_partials=...)`: f32 [CORES, B, accumulator_rows(R), d_p] for the
     resident keys f32 [B, R + ZERO_ROWS, d_p]."""
     b, rows, d_p = keys.shape[0], keys.shape[1] - sg.ZERO_ROWS, keys.shape[2]
-    return jnp.zeros((sg.CORES, b, rows + sg.SCATTER_GROUP, d_p), jnp.float32)
+    return jnp.zeros((sg.CORES, b, sg.accumulator_rows(rows), d_p), jnp.float32)
 
 
 def finish_dk_partials(partials):
-    """The TensorCores' dk sums [CORES, B, R + SCATTER_GROUP, d_p] -> d keys f32 [B, R + ZERO_ROWS, d_p] (the
+    """The TensorCores' dk sums [CORES, B, accumulator_rows(R), d_p] -> d keys f32 [B, R + ZERO_ROWS, d_p] (the
     discarded rows dropped, the zero rows' cotangent 0)."""
-    rows = partials.shape[2] - sg.SCATTER_GROUP
-    return jnp.pad(jnp.sum(partials[:, :, :rows], axis=0), ((0, 0), (0, sg.ZERO_ROWS), (0, 0)))
+    rows = partials.shape[2] - sg.accumulator_rows(0)
+    dk = jnp.sum(partials[:, :, sg.ACC_FRONT:sg.ACC_FRONT + rows], axis=0)
+    return jnp.pad(dk, ((0, 0), (0, sg.ZERO_ROWS), (0, 0)))
