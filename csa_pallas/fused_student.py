@@ -172,6 +172,7 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
 
     starts = jnp.arange(num_chunks) * chunk
     if not with_gradient:
+        _in_place_operands(ctx.kernel_config if gathers else None, index_q, chunk, False)  # forced fields: checked
         # The student's rows are scanned over so that autodiff returns their cotangents stacked, chunk by chunk
         # (a dynamic slice of the whole array would transpose to a full-size update per chunk).
         scanned = (_stack_chunks(index_q, num_chunks, chunk), _stack_chunks(index_weights, num_chunks, chunk))
@@ -184,8 +185,7 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     # aliased to its output): no [R, d_p] partial sums written, re-read and added in XLA per chunk; and where
     # index_q's layout allows, it reads the chunk's index_q rows and writes their gradient where they lie in the
     # whole arrays (no [chunk, H_I, d_I] copies: 8 MiB each at S = 128K).
-    in_kernel_dk = gathers and ctx.kernel_config.fuse_kl
-    q_in_place = in_kernel_dk and student_gather_kl.rows_in_place_ok(index_q, chunk, ctx.kernel_config)
+    in_kernel_dk, q_in_place = _in_place_operands(ctx.kernel_config if gathers else None, index_q, chunk, True)
 
     def step(carry, start):
         # No autodiff here: the rows are sliced in place and their gradients written in place (no stacked copies).
@@ -207,6 +207,28 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     if kernels:  # the padded keys' cotangent -> index_k's
         dk_total = dk_total[:, :index_k.shape[1], :index_k.shape[2]]
     return _unstack_chunks(kl), _unstack_chunks(nonempty), (dq, dk_total, dw)
+
+
+def _in_place_operands(cfg, index_q, chunk: int, with_gradient: bool) -> tuple:
+    """(dk in place, index_q rows in place) for the one-kernel gradient pass over chunks of `chunk` rows, from a
+    `StudentGatherConfig`'s dk_in_place / rows_in_place (None: wherever they apply) or None (other students: no);
+    a field forced True where it cannot apply is a ValueError naming it."""
+    if cfg is None:
+        return False, False
+    one_kernel = cfg.fuse_kl and with_gradient
+    why = None if one_kernel else ("fuse_kl=True" if not cfg.fuse_kl else "a scalar reduction (reduction='none' "
+                                   "differentiates through the rematerialised chunks)")
+    if why is None and not student_gather_kl.rows_in_place_ok(index_q, chunk, cfg):
+        rows_why = (f"index_q with d_I a multiple of 128 in bf16 or f32 and chunks of whole query tiles of both "
+                    f"TensorCores; got d_I={index_q.shape[3]}, {index_q.dtype}, chunks of {chunk} rows")
+    else:
+        rows_why = why
+    for name, reason in (("dk_in_place", why), ("rows_in_place", rows_why)):
+        if getattr(cfg, name) is True and reason is not None:
+            raise ValueError(f"student: StudentGatherConfig.{name}=True needs {reason}")
+    dk = one_kernel and cfg.dk_in_place is not False
+    rows = rows_why is None and cfg.rows_in_place is not False
+    return dk, rows
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -217,6 +217,28 @@ def test_sharded_fused_op_compiles_on_a_v5p_slice(axes, batch, temp_mib):
     assert 0 < aot.memory_report(compiled).temp_bytes <= temp_mib * MiB
 
 
+@pytest.mark.parametrize("rows, dk", [(False, False), (True, True)], ids=["copies_and_xla_sums", "in_place"])
+def test_the_one_kernel_pass_compiles_with_its_chunk_operands_either_way(rows, dk):
+    """Sparse K = 512 at S = 8192 in 4 query chunks with `StudentGatherConfig(rows_in_place, dk_in_place)` forced
+    both ways (the default takes both in place): the kernel with or without its in-place operands, and no
+    per-chunk copy of index_q rows when in place."""
+    require_libtpu()
+    from csa_pallas.kernels.student_gather import StudentGatherConfig
+    seq, k = 8192, 512
+    n = seq // 4
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+    def fused(iq, ik, iw, q, kv, topk):
+        return jax.value_and_grad(lambda *x: csa_pallas.fused_indexer_distill_loss(
+            *x, q, kv, topk_indices=topk, target="per_head", query_chunk=seq // 4,
+            student=StudentGatherConfig(rows_in_place=rows, dk_in_place=dk)), argnums=(0, 1, 2))(iq, ik, iw)
+    text = aot.compile_for_tpu(fused, bf16(B, seq, H_I, D_I), bf16(B, n, D_I), bf16(B, seq, H_I),
+                               bf16(B, seq, H, D), bf16(B, n, D), jax.ShapeDtypeStruct((B, seq, k), jnp.int32)
+                               ).as_text()
+    assert ("csa_student_gather_kl_grads_bq8_in_place" in text) == rows
+    assert "csa_student_gather_kl_grads_bq8" in text
+
+
 def test_head_sharded_sparse_fused_op_compiles_with_the_one_kernel_gradient_pass():
     """Sparse K = 512 at S = 4096 on v5p:2x2x2 with data 2 x heads 4: each head shard's owned rows run
     `student_gather_kl` (scores, KL against the reduce-scattered P, gradients) inside shard_map."""

@@ -69,6 +69,40 @@ def test_a_non_finite_key_block_makes_exactly_its_readers_nan(topk, query_chunk)
     np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows, dk", [(False, False), (True, True)], ids=["copies_and_xla_sums", "in_place"])
+def test_the_one_kernel_pass_reads_its_chunks_as_its_config_says(monkeypatch, rows, dk):
+    """`StudentGatherConfig.rows_in_place` / `dk_in_place` force how the one-kernel gradient pass takes its chunks
+    (index_q's rows and their gradient in place or copied; dk's running sums in the kernel or added in XLA); both
+    ways match the oracle. Here the default (None) would take both in place (d_I = 128)."""
+    from csa_pallas.kernels import student_gather_kl
+    calls, kernel = [], student_gather_kl.loss_and_grads
+    monkeypatch.setattr(student_gather_kl, "loss_and_grads", lambda *a, **k: calls.append(
+        (k.get("rows_in_place") is not None, k.get("dk_partials") is not None)) or kernel(*a, **k))
+    c, kw = make_student_case(29, seq=32, topk=6, num_docs=2, loss_mask=True, index_dim=128)
+    check(c, kw, "per_head", implementation="pallas", reduction="sum", query_chunk=16, index_head_chunk=1,
+          student=StudentGatherConfig(rows_in_place=rows, dk_in_place=dk))
+    assert calls and all(call == (rows, dk) for call in calls), calls
+
+
+def test_in_place_chunk_operands_forced_where_they_cannot_apply_are_value_errors():
+    """A forced rows_in_place / dk_in_place the problem cannot take names the field (traced, before any kernel)."""
+    def trace(index_dim, reduction="sum", **fields):
+        c, kw = make_student_case(31, seq=32, topk=6, index_dim=index_dim)
+        f = lambda iq, ik, iw: jnp.sum(csa_pallas.fused_indexer_distill_loss(
+            iq, ik, iw, c["q"], c["compressed_kv"], **kw, reduction=reduction, implementation="pallas",
+            query_chunk=16, student=StudentGatherConfig(**fields)))
+        jax.eval_shape(jax.grad(f, argnums=(0, 1, 2)), c["index_q"], c["index_k"], c["index_weights"])
+    trace(16, rows_in_place=False)  # accepted: the copies
+    with pytest.raises(ValueError, match=r"rows_in_place=True needs index_q with d_I a multiple of 128"):
+        trace(16, rows_in_place=True)
+    with pytest.raises(ValueError, match=r"dk_in_place=True needs fuse_kl=True"):
+        trace(128, fuse_kl=False, dk_in_place=True)
+    with pytest.raises(ValueError, match=r"rows_in_place=True needs a scalar reduction"):
+        trace(128, reduction="none", rows_in_place=True)
+    with pytest.raises(ValueError, match=r"dk_in_place: expected None, True or False"):
+        StudentGatherConfig(dk_in_place="yes")
+
+
 @pytest.mark.parametrize("index_dim", [16, 128], ids=["index_q_copied", "index_q_in_place"])
 def test_query_chunks_on_the_sparse_gather_path_read_the_keys_as_given(monkeypatch, index_dim):
     """Sparse chunks on the gather path hand the teacher compressed_kv as given (its kernel packs its resident rows

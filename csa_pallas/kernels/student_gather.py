@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -66,17 +67,28 @@ class StudentGatherConfig:
     vmem_limit_bytes: Mosaic's scoped-VMEM limit for every kernel; fuse_kl: where the loss takes its gradient in
     the forward pass, one kernel per query tile gathers the rows once for the scores, the KL against the teacher's
     P and the gradients (`student_gather_kl`) instead of this module's scores and gradient kernels around the
-    teacher's fused KL (which gather them twice)."""
+    teacher's fused KL (which gather them twice).
+    The one kernel's operands in a query-chunked loss (`fused_student`; a scalar reduction and fuse_kl):
+    rows_in_place: each chunk's index_q rows read, and their gradient written, where they lie in the whole arrays
+    (`student_gather_kl.loss_and_grads(rows_in_place=...)`) instead of per-chunk copies; dk_in_place: each
+    chunk's dk added to the TensorCores' running sums in place (`dk_partials`) instead of partial sums added in
+    XLA per chunk. None: wherever they apply (rows: `student_gather_kl.rows_in_place_ok`); True: a ValueError
+    naming the field where they do not; False: the copies / the XLA sums."""
 
     block_q: int = 8
     vmem_limit_bytes: int = 48 * common.MiB
     fuse_kl: bool = True
+    rows_in_place: Optional[bool] = None
+    dk_in_place: Optional[bool] = None
 
     def __post_init__(self):
         if self.block_q < 8 or self.block_q % 8:
             raise ValueError(f"block_q: expected a positive multiple of 8, got {self.block_q}")
         if self.vmem_limit_bytes < common.MiB:
             raise ValueError(f"vmem_limit_bytes: expected at least 1 MiB, got {self.vmem_limit_bytes}")
+        for name in ("rows_in_place", "dk_in_place"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name}: expected None, True or False, got {getattr(self, name)!r}")
 
 
 def vmem_bytes(cfg: StudentGatherConfig, *, num_blocks: int, heads: int, head_dim: int, width: int) -> int:
