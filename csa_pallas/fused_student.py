@@ -215,20 +215,19 @@ def _in_place_operands(cfg, index_q, chunk: int, with_gradient: bool) -> tuple:
     a field forced True where it cannot apply is a ValueError naming it."""
     if cfg is None:
         return False, False
-    one_kernel = cfg.fuse_kl and with_gradient
-    why = None if one_kernel else ("fuse_kl=True" if not cfg.fuse_kl else "a scalar reduction (reduction='none' "
-                                   "differentiates through the rematerialised chunks)")
+    why = None  # why the one-kernel pass's operands cannot be in place
+    if not cfg.fuse_kl:
+        why = "fuse_kl=True"
+    elif not with_gradient:
+        why = "a scalar reduction (reduction='none' differentiates through the rematerialised chunks)"
+    rows_why = why
     if why is None and not student_gather_kl.rows_in_place_ok(index_q, chunk, cfg):
         rows_why = (f"index_q with d_I a multiple of 128 in bf16 or f32 and chunks of whole query tiles of both "
                     f"TensorCores; got d_I={index_q.shape[3]}, {index_q.dtype}, chunks of {chunk} rows")
-    else:
-        rows_why = why
     for name, reason in (("dk_in_place", why), ("rows_in_place", rows_why)):
         if getattr(cfg, name) is True and reason is not None:
             raise ValueError(f"student: StudentGatherConfig.{name}=True needs {reason}")
-    dk = one_kernel and cfg.dk_in_place is not False
-    rows = rows_why is None and cfg.rows_in_place is not False
-    return dk, rows
+    return why is None and cfg.dk_in_place is not False, rows_why is None and cfg.rows_in_place is not False
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -220,8 +220,8 @@ def test_sharded_fused_op_compiles_on_a_v5p_slice(axes, batch, temp_mib):
 @pytest.mark.parametrize("rows, dk", [(False, False), (True, True)], ids=["copies_and_xla_sums", "in_place"])
 def test_the_one_kernel_pass_compiles_with_its_chunk_operands_either_way(rows, dk):
     """Sparse K = 512 at S = 8192 in 4 query chunks with `StudentGatherConfig(rows_in_place, dk_in_place)` forced
-    both ways (the default takes both in place): the kernel with or without its in-place operands, and no
-    per-chunk copy of index_q rows when in place."""
+    both ways (the default takes both in place): the one kernel compiles with and without its in-place
+    operands (its in-place variant's name present exactly when rows_in_place)."""
     require_libtpu()
     from csa_pallas.kernels.student_gather import StudentGatherConfig
     seq, k = 8192, 512

@@ -76,48 +76,40 @@ def _kernel(*refs, operand, kl: fused_kl.FusedKL, accumulate: bool, in_place: bo
         dk_ref[...] += dk_odd_ref[...]
 
     @pl.when(step < fold_step)
-    def _():
-        _tile(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_ref, dw_ref, dk_ref, stats_ref,
-              stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, buf_ref, sem_ref, dk_odd_ref, operand=operand,
-              kl=kl)
+    def _():  # one query tile: the scores (phase 1), its KL and G (2), the gradients (3)
+        width = idx_ref.shape[1]
+        d_p = keys_ref.shape[1]
 
+        def score(t, slots):  # phase 1: gather once (into the query's own staging rows), score
+            rows = sg.gathered_rows(slots, keys_ref, stage_ref.at[t], operand)
+            z = common.exact_dot(q_ref[t].astype(operand), rows, NT)  # [H_I, K_p]
+            z_ref[t] = z
+            w = common.rows_to_column(w_ref[pl.ds(t, 1), :])
+            logits_ref[pl.ds(t, 1), :] = jnp.sum(w * jnp.maximum(z, 0.0), axis=0, keepdims=True)
 
-def _tile(idx_ref, target_ref, q_ref, w_ref, keys_ref, p_ref, count_ref, dq_ref, dw_ref, dk_ref, stats_ref,
-          stage_ref, logits_ref, grad_ref, dk_rows_ref, z_ref, buf_ref, sem_ref, dk_odd_ref, *, operand, kl):
-    """One query tile: the scores (phase 1), the tile's KL and G (2), the gradients (3)."""
-    width = idx_ref.shape[1]
-    d_p = keys_ref.shape[1]
+        slot_rows.for_each_query([idx_ref], buf_ref, sem_ref, score)
+        # phase 2: the tile's KL and G (P' is the target; its empty slots are -1, masked to 0 by mask_target)
+        fused_kl.kl_epilogue(kl, p_ref, logits_ref, stats_ref, grad_ref,
+                             visible_at=lambda start, size: jnp.logical_not(p_ref[:, pl.ds(start, size)] < 0.0),
+                             mask_target=True)
 
-    def score(t, slots):  # phase 1: gather once (into the query's own staging rows), score
-        rows = sg.gathered_rows(slots, keys_ref, stage_ref.at[t], operand)
-        z = common.exact_dot(q_ref[t].astype(operand), rows, NT)  # [H_I, K_p]
-        z_ref[t] = z
-        w = common.rows_to_column(w_ref[pl.ds(t, 1), :])
-        logits_ref[pl.ds(t, 1), :] = jnp.sum(w * jnp.maximum(z, 0.0), axis=0, keepdims=True)
+        def backward(t, targets):  # phase 3: the gradients from the staged rows
+            # the products take non-finite operands as 0 (SPEC §6, `student_gather`), cleaned in f32 before the cast
+            rows = common.finite_or_zero(stage_ref[t].reshape(width, d_p)).astype(operand)
+            q = common.finite_or_zero(q_ref[t]).astype(operand)
+            z = z_ref[t]
+            positive = z > 0.0  # ReLU'(0) = 0 (SPEC §8)
+            g = grad_ref[pl.ds(t, 1), :]  # [1, K_p]
+            dw_ref[pl.ds(t, 1), :] = common.column_to_rows(sg.weight_gradient(g, z), 1)
+            w = common.finite_or_zero(common.rows_to_column(w_ref[pl.ds(t, 1), :]))
+            terms = common.hi_lo_terms(jnp.where(positive, w * g, 0.0), operand)
+            dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
+            folded = common.hi_lo_terms(jnp.where(positive, w * (g * count_ref[pl.ds(t, 1), :]), 0.0), operand)
+            dk_rows_ref[...] = sum(common.exact_dot(x, q, TN) for x in folded)  # [K_p, d_p]
+            # distinct targets per group; the odd groups add into a second accumulator (`sg.add_rows_to_targets`)
+            sg.add_rows_to_targets(targets, dk_rows_ref, (dk_ref, dk_odd_ref))
 
-    slot_rows.for_each_query([idx_ref], buf_ref, sem_ref, score)
-    # phase 2: the tile's KL and G (P' is the target; its empty slots are -1, masked to 0 by mask_target)
-    fused_kl.kl_epilogue(kl, p_ref, logits_ref, stats_ref, grad_ref,
-                         visible_at=lambda start, size: jnp.logical_not(p_ref[:, pl.ds(start, size)] < 0.0),
-                         mask_target=True)
-
-    def backward(t, targets):  # phase 3: the gradients from the staged rows
-        # the products take non-finite operands as 0 (SPEC §6, `student_gather`), cleaned in f32 before the cast
-        rows = common.finite_or_zero(stage_ref[t].reshape(width, d_p)).astype(operand)
-        q = common.finite_or_zero(q_ref[t]).astype(operand)
-        z = z_ref[t]
-        positive = z > 0.0  # ReLU'(0) = 0 (SPEC §8)
-        g = grad_ref[pl.ds(t, 1), :]  # [1, K_p]
-        dw_ref[pl.ds(t, 1), :] = common.column_to_rows(sg.weight_gradient(g, z), 1)
-        w = common.finite_or_zero(common.rows_to_column(w_ref[pl.ds(t, 1), :]))
-        terms = common.hi_lo_terms(jnp.where(positive, w * g, 0.0), operand)
-        dq_ref[t] = sum(common.exact_dot(x, rows, NN) for x in terms).astype(dq_ref.dtype)
-        folded = common.hi_lo_terms(jnp.where(positive, w * (g * count_ref[pl.ds(t, 1), :]), 0.0), operand)
-        dk_rows_ref[...] = sum(common.exact_dot(x, q, TN) for x in folded)  # [K_p, d_p]
-        # distinct targets per group; the odd groups add into a second accumulator (`sg.add_rows_to_targets`)
-        sg.add_rows_to_targets(targets, dk_rows_ref, (dk_ref, dk_odd_ref))
-
-    slot_rows.for_each_query([target_ref], buf_ref, sem_ref, backward)
+        slot_rows.for_each_query([target_ref], buf_ref, sem_ref, backward)
 
 
 def rows_in_place_ok(index_q_all, chunk: int, cfg: sg.StudentGatherConfig | None = None) -> bool:
