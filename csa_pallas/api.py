@@ -304,6 +304,7 @@ def fused_indexer_distill_loss(
     index_head_chunk: Optional[int] = None,
     query_chunk: Optional[int] = None,
     student="auto",
+    config=None,
 ) -> jax.Array:
     """`indexer_distill_loss` with the student given by the indexer's inputs (SPEC §8): I = sum_j w ReLU(q_I . k_I).
 
@@ -324,6 +325,9 @@ def fused_indexer_distill_loss(
         "pallas" (the kernels), "xla" (`student.scores`), or a `StudentKernelConfig` (the tiled kernels; sparse:
         the visit student) / `StudentGatherConfig` (sparse: the gather kernels) with that config.
         implementation="xla" takes "auto" or "xla".
+      config: the teacher kernels' variant, as `indexer_distill_loss`'s config (a `TeacherConfig` or a dict of
+        its fields; sparse mode: "path" and the path's fields, e.g. the gather path's `q_in_place`, how each query
+        chunk's q rows reach the kernel). Pallas path only; not forwarded to the sharded path.
 
     Pallas path: the loss is taken over chunks of query rows (`fused_student`), each chunk's scores (the student
     kernels, `kernels/student_scores.py`: the ReLU terms stay in VMEM, forward and backward) feeding the teacher +
@@ -341,7 +345,9 @@ def fused_indexer_distill_loss(
                                       seq_len=problem.seq_len, num_blocks=problem.num_blocks,
                                       index_head_chunk=index_head_chunk)
     validation.check_reduction_args(reduction, scale)
+    problem = dataclasses.replace(problem, teacher_config=validation.freeze_config(config))
     implementation = choose_implementation(problem)
+    check_config(config, implementation)
     from csa_pallas import fused_student, student_plan
     use_kernels, _ = student_plan.resolve_student(student, problem, st.index_q.shape)
     if use_kernels and implementation != "pallas" and student != "auto":
@@ -359,7 +365,7 @@ def fused_indexer_distill_loss(
         return sharded_student.sharded_fused_indexer_distill_loss(
             mesh, index_q, index_k, index_weights, q, compressed_kv, **axes, **teacher, reduction=reduction,
             scale=scale, index_head_chunk=index_head_chunk, query_chunk=query_chunk, student=student)
-    placed = _placed(problem, None, run_sharded)
+    placed = _placed(problem, config, run_sharded)
     if placed is not None:
         return placed
     placement.check_kernels_can_run_here(problem)

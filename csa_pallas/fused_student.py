@@ -52,7 +52,8 @@ def _chunk_problem(problem: Problem, rows: dict) -> Problem:
         kv_positions=problem.kv_positions, compress_ratio=problem.compress_ratio, window_size=problem.window_size,
         softmax_scale=problem.softmax_scale, target=problem.target, head_chunk=problem.head_chunk,
         implementation="pallas", **stats)
-    return dataclasses.replace(chunk, kv_ready=problem.kv_ready, default_keys=problem.one_document_prefix)
+    return dataclasses.replace(chunk, kv_ready=problem.kv_ready, default_keys=problem.one_document_prefix,
+                               teacher_config=problem.teacher_config)
 
 
 def _poisoned(chunk: Problem, bad_block) -> Problem:

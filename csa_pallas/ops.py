@@ -132,6 +132,7 @@ def dense_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> DenseLayou
     """cfg: a `TeacherConfig`, or a Mapping of its fields overriding the heuristic default (None: the default).
     kl_logits_dtype: size the default tiles for the fused-KL teacher (the loss path) with logits of that dtype."""
     dtype = compute_dtype(problem.q, problem.compressed_kv)
+    cfg = problem.layout_config if cfg is None else cfg  # the fused op's config=
     if not isinstance(cfg, teacher_config.TeacherConfig):
         default = teacher_config.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
                                                 seq_len=problem.seq_len, num_blocks=problem.num_blocks, dtype=dtype,

@@ -87,11 +87,20 @@ def choose_path(problem: Problem, forced: Optional[str] = None, gather_fits: boo
     return "gather" if spread_cost >= GATHER_HEAD_BLOCKS_PER_SLOT * problem.width and gather_fits else "visit"
 
 
+def forced_path(cfg):
+    """The path a layout config forces (a `TeacherConfig`: "visit"; a Mapping: its "path"), or None."""
+    if isinstance(cfg, teacher_config.TeacherConfig):
+        return "visit"
+    return cfg.get("path") if isinstance(cfg, Mapping) else None
+
+
 def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLayout:
     """cfg: a `TeacherConfig` (the visit path), or a Mapping of fields overriding the heuristic default: "path"
     ("visit" | "gather"), then the chosen path's config fields (`teacher_config.TeacherConfig` or
-    `sparse_gather.GatherConfig`). kl_logits_dtype: size the default tiles for the fused-KL kernel (the loss path)."""
+    `sparse_gather.GatherConfig`); None: the problem's own (`Problem.layout_config`, the fused op's config=).
+    kl_logits_dtype: size the default tiles for the fused-KL kernel (the loss path)."""
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
+    cfg = problem.layout_config if cfg is None else cfg
     overrides = dict(cfg) if isinstance(cfg, Mapping) else None
     forced = overrides.pop("path", None) if overrides is not None else None
     k_p = common.round_up(problem.width, common.LANES)
@@ -227,10 +236,22 @@ def selection_inputs(problem: Problem, layout: SparseLayout) -> Selection:
 
 
 def in_place_rows(problem: Problem, layout: SparseLayout) -> bool:
-    """Whether the gather path reads the problem's q rows in place from `problem.q_window` (see `Problem`)."""
-    # padded_seq is a multiple of the query tile: equal to S, the chunk (and its first row) are whole tiles
-    return (problem.q_window is not None and layout.path == "gather" and layout.padded_seq == problem.seq_len
-            and problem.q_window[0].dtype == ops.compute_dtype(problem.q, problem.compressed_kv))
+    """Whether the gather path reads the problem's q rows in place from `problem.q_window` (see `Problem`), as
+    `GatherConfig.q_in_place` says (None: wherever it applies; True where it cannot: a ValueError naming it)."""
+    if layout.path != "gather" or layout.cfg.q_in_place is False:
+        return False
+    dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
+    why = None  # why the rows cannot be read in place
+    if problem.q_window is None:
+        why = "query chunks of fused_indexer_distill_loss (query_chunk < S)"
+    elif layout.padded_seq != problem.seq_len:  # padded_seq is a multiple of both cores' query tiles
+        why = (f"chunks of whole query tiles of both TensorCores ({sparse_gather.CORES} x block_q = "
+               f"{sparse_gather.CORES * layout.cfg.block_q} rows), got chunks of {problem.seq_len}")
+    elif problem.q_window[0].dtype != dtype:
+        why = f"q in the kernels' compute dtype ({jnp.dtype(dtype).name}), got {problem.q_window[0].dtype}"
+    if why is not None and layout.cfg.q_in_place:
+        raise ValueError(f"config: 'q_in_place' True needs {why}")
+    return why is None
 
 
 def teacher_inputs(problem: Problem, layout: SparseLayout, reduce_low=None):

@@ -25,12 +25,21 @@ from jax import lax
 from csa_pallas import loss_vjp, ops_sparse
 from csa_pallas.kernels import runtime, selection
 from csa_pallas.kernels import teacher as teacher_kernel
+from csa_pallas.kernels import teacher_config
 from csa_pallas.validation import Problem
 
 
 def layout_of(problem: Problem) -> ops_sparse.SparseLayout:
-    """The sparse teacher's visit-path layout (the block-order target needs its block bits)."""
-    return ops_sparse.sparse_layout(problem, {"path": "visit"})
+    """The sparse teacher's visit-path layout (the block-order target needs its block bits), with the fields of
+    the caller's config (`Problem.layout_config`); a config forcing the gather path is a ValueError."""
+    cfg = problem.layout_config
+    if isinstance(cfg, teacher_config.TeacherConfig):
+        return ops_sparse.sparse_layout(problem, cfg)
+    if ops_sparse.forced_path(cfg) not in (None, "visit"):
+        raise ValueError("config: path 'gather' cannot feed the visit student (student=StudentKernelConfig with "
+                         "topk_indices, or the default at short context): it reads the visit path's block-order "
+                         "target; force student=StudentGatherConfig() or drop the path")
+    return ops_sparse.sparse_layout(problem, {**(cfg or {}), "path": "visit"})
 
 
 def selected_blocks(bits, padded_blocks: int) -> jax.Array:

@@ -98,7 +98,7 @@ def visit_rule(problem: Problem) -> bool:
     forces it beyond."""
     from csa_pallas import ops_sparse
     fits = problem.seq_len * unchunked_row_bytes(problem, visit=True) <= TARGET_CHUNK_BYTES
-    return fits and ops_sparse.choose_path(problem) == "visit"
+    return fits and ops_sparse.choose_path(problem, ops_sparse.forced_path(problem.layout_config)) == "visit"
 
 
 def resolve_student(student, problem: Problem, index_q_shape):

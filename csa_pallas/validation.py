@@ -55,6 +55,16 @@ class Problem:
     # being q_all[:, first_row:first_row + S]; the teacher kernel reads them there (`sparse_gather.RowWindow`)
     # where q_all is in the kernels' compute dtype and S a multiple of the query tile, so no per-chunk copy of q.
     q_window: Optional[tuple] = None
+    # The caller's teacher kernel variant (`fused_indexer_distill_loss(config=...)`), which the layouts take when
+    # given none (`ops.dense_layout`, `ops_sparse.sparse_layout`): a `TeacherConfig`, or a Mapping of overrides kept
+    # as sorted (field, value) pairs (`freeze_config`: the chunked loss keeps a problem's static fields in a
+    # custom_vjp's static argument, which must hash). None: the heuristics.
+    teacher_config: Optional[object] = None
+
+    @property
+    def layout_config(self):
+        """`teacher_config` as the layouts take it: a TeacherConfig, a dict of overrides, or None."""
+        return dict(self.teacher_config) if isinstance(self.teacher_config, tuple) else self.teacher_config
 
     @property
     def one_document_prefix(self) -> bool:
@@ -93,6 +103,19 @@ class Problem:
     def width(self) -> int:
         """Last dim of the student / target: N (dense) or K (sparse)."""
         return self.topk_indices.shape[2] if self.sparse else self.num_blocks
+
+
+def freeze_config(config):
+    """A teacher `config=` (None, a `TeacherConfig`, or a Mapping of its fields and "path") in the hashable form
+    `Problem.teacher_config` keeps; the fields themselves are checked where the layout applies them."""
+    from collections.abc import Mapping
+    from csa_pallas.kernels import teacher_config
+    if config is None or isinstance(config, teacher_config.TeacherConfig):
+        return config
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config: expected None, a TeacherConfig or a dict of its fields, got "
+                        f"{type(config).__name__}")
+    return tuple(sorted(config.items()))
 
 
 def _shape(x) -> tuple:

@@ -219,9 +219,10 @@ def test_sharded_fused_op_compiles_on_a_v5p_slice(axes, batch, temp_mib):
 
 @pytest.mark.parametrize("rows, dk", [(False, False), (True, True)], ids=["copies_and_xla_sums", "in_place"])
 def test_the_one_kernel_pass_compiles_with_its_chunk_operands_either_way(rows, dk):
-    """Sparse K = 512 at S = 8192 in 4 query chunks with `StudentGatherConfig(rows_in_place, dk_in_place)` forced
-    both ways (the default takes both in place): the one kernel compiles with and without its in-place
-    operands (its in-place variant's name present exactly when rows_in_place)."""
+    """Sparse K = 512 at S = 8192 in 4 query chunks with `StudentGatherConfig(rows_in_place, dk_in_place)` and the
+    gather teacher's `q_in_place` (`config=`) forced both ways (the defaults take all three in place): the one
+    kernel and the teacher compile with and without their in-place operands (each in-place variant's name
+    present exactly when forced)."""
     require_libtpu()
     from csa_pallas.kernels.student_gather import StudentGatherConfig
     seq, k = 8192, 512
@@ -231,12 +232,14 @@ def test_the_one_kernel_pass_compiles_with_its_chunk_operands_either_way(rows, d
     def fused(iq, ik, iw, q, kv, topk):
         return jax.value_and_grad(lambda *x: csa_pallas.fused_indexer_distill_loss(
             *x, q, kv, topk_indices=topk, target="per_head", query_chunk=seq // 4,
-            student=StudentGatherConfig(rows_in_place=rows, dk_in_place=dk)), argnums=(0, 1, 2))(iq, ik, iw)
+            student=StudentGatherConfig(rows_in_place=rows, dk_in_place=dk),
+            config={"path": "gather", "q_in_place": rows}), argnums=(0, 1, 2))(iq, ik, iw)
     text = aot.compile_for_tpu(fused, bf16(B, seq, H_I, D_I), bf16(B, n, D_I), bf16(B, seq, H_I),
                                bf16(B, seq, H, D), bf16(B, n, D), jax.ShapeDtypeStruct((B, seq, k), jnp.int32)
                                ).as_text()
     assert ("csa_student_gather_kl_grads_bq8_in_place" in text) == rows
     assert "csa_student_gather_kl_grads_bq8" in text
+    assert ("csa_sparse_gather_per_head_bq8_q_in_place" in text) == rows, re.findall(r"csa_sparse_gather\w*", text)
 
 
 def test_head_sharded_sparse_fused_op_compiles_with_the_one_kernel_gradient_pass():

@@ -103,21 +103,20 @@ def test_in_place_chunk_operands_forced_where_they_cannot_apply_are_value_errors
         StudentGatherConfig(dk_in_place="yes")
 
 
-@pytest.mark.parametrize("index_dim", [16, 128], ids=["index_q_copied", "index_q_in_place"])
-def test_query_chunks_on_the_sparse_gather_path_read_the_keys_as_given(monkeypatch, index_dim):
-    """Sparse chunks on the gather path hand the teacher compressed_kv as given (its kernel packs its resident rows
-    itself, +-inf made NaN: no filled or packed copy in HBM) and read each chunk's q rows in place
-    (`Problem.q_window`); the one student kernel reads each chunk's index_q rows and writes their gradient in
-    place where d_I is a whole lane tile (`student_gather_kl.rows_in_place_ok`), else from a copy; against the
-    oracle (index_k's gradient summed over the chunks in the kernel's running partial sums). A non-finite key block
-    still makes exactly its readers NaN."""
-    from csa_pallas import ops, ops_sparse
+@pytest.mark.parametrize("index_dim, q_in_place", [(16, None), (128, False)],
+                         ids=["index_q_copied", "index_q_in_place_q_copied"])
+def test_query_chunks_on_the_sparse_gather_path_read_the_keys_as_given(monkeypatch, index_dim, q_in_place):
+    """Sparse chunks on the gather path (forced by the teacher's `config=`, with looped slots: a small program
+    for the interpreter; test_variants covers the unrolled default) hand the teacher compressed_kv as given (its
+    kernel packs its resident rows itself, +-inf made NaN: no filled or packed copy in HBM) and read each chunk's q
+    rows in place (`Problem.q_window`; `GatherConfig.q_in_place` None) or from a copy (q_in_place=False); the one
+    student kernel reads each chunk's index_q rows and writes their gradient in place where d_I is a whole lane
+    tile (`student_gather_kl.rows_in_place_ok`), else from a copy; against the oracle (index_k's gradient summed
+    over the chunks in the kernel's running partial sums). A non-finite key block still makes exactly its readers
+    NaN."""
+    from csa_pallas import ops
     from csa_pallas.kernels import sparse_gather, student_gather_kl
-    monkeypatch.setattr(ops_sparse, "GATHER_HEAD_BLOCKS_PER_SLOT", 0)  # the dispatch picks the gather path
-    # Looped slots: a small program for the interpreter (test_variants covers the unrolled default).
-    default = sparse_gather.default_config
-    monkeypatch.setattr(sparse_gather, "default_config",
-                        lambda **kw: dataclasses.replace(default(**kw), unroll_slots=False))
+    config = {"path": "gather", "unroll_slots": False, "q_in_place": q_in_place}
     fills = []
     real_fill = ops.nan_filled_rows
     monkeypatch.setattr(ops, "nan_filled_rows", lambda x: fills.append(x.shape) or real_fill(x))
@@ -131,9 +130,10 @@ def test_query_chunks_on_the_sparse_gather_path_read_the_keys_as_given(monkeypat
     monkeypatch.setattr(student_gather_kl, "loss_and_grads",
                         lambda *a, **k: student_rows.append(k.get("rows_in_place") is not None) or student(*a, **k))
     c, kw = make_student_case(23, seq=32, topk=6, num_docs=2, loss_mask=True, index_dim=index_dim)
-    check(c, kw, "joint", implementation="pallas", reduction="sum", query_chunk=16, index_head_chunk=1)
+    check(c, kw, "joint", implementation="pallas", reduction="sum", query_chunk=16, index_head_chunk=1,
+          config=config)
     assert not fills, fills
-    assert in_place and all(in_place), in_place
+    assert in_place and all(used == (q_in_place is None) for used in in_place), in_place
     assert student_rows and all(used == (index_dim == 128) for used in student_rows), student_rows
     if index_dim == 128:
         return  # the non-finite keys below: once
@@ -144,7 +144,7 @@ def test_query_chunks_on_the_sparse_gather_path_read_the_keys_as_given(monkeypat
     rows = lambda implementation, **o: csa_pallas.fused_indexer_distill_loss(
         c["index_q"], c["index_k"], c["index_weights"], c["q"], c["compressed_kv"], **kw, target="per_head",
         reduction="none", implementation=implementation, **o)
-    want, got = np.asarray(rows("xla")), np.asarray(rows("pallas", query_chunk=16))
+    want, got = np.asarray(rows("xla")), np.asarray(rows("pallas", query_chunk=16, config=config))
     assert 0 < np.isnan(want).sum() < want.size
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=0, atol=1e-6)
@@ -246,3 +246,42 @@ def test_non_finite_indexer_inputs_reach_only_their_readers_and_the_kernels_agre
     # the masked rows' gradients are exact zeros, whatever their inputs hold
     for x in (want_dq, want_dw, dq, dw):
         assert not np.any(x[0, masked])
+
+
+def test_the_teacher_config_reaches_every_chunk(monkeypatch):
+    """`config=` on the fused op forces the teacher kernel's variant as on indexer_distill_loss: dense mode in two
+    query chunks with scores recomputed (cache_scores=False) and a 16-row query tile; every chunk's launch takes
+    the forced fields, and the loss and gradients match the oracle."""
+    from csa_pallas.kernels import teacher as teacher_kernel
+    configs, launch = [], teacher_kernel.teacher_pallas
+    monkeypatch.setattr(teacher_kernel, "teacher_pallas",
+                        lambda *a, **k: configs.append(k["cfg"]) or launch(*a, **k))
+    c, kw = make_student_case(29, seq=64, num_docs=2, loss_mask=True)
+    check(c, kw, "joint", implementation="pallas", query_chunk=32,
+          config={"cache_scores": False, "block_q": 16, "walk": "plain"})
+    assert configs and all(not cfg.cache_scores and cfg.block_q == 16 for cfg in configs), configs
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(config={"path": "gather", "q_in_place": True}), ValueError,
+     r"config: 'q_in_place' True needs query chunks of fused_indexer_distill_loss"),
+    (dict(config={"path": "gather", "q_in_place": True}, query_chunk=8), ValueError,
+     r"config: 'q_in_place' True needs chunks of whole query tiles of both TensorCores \(2 x block_q = \d+ rows\), "
+     r"got chunks of 8"),
+    (dict(config={"path": "gather"}, student=sk.StudentKernelConfig()), ValueError,
+     "config: path 'gather' cannot feed the visit student"),
+    (dict(config={"walk": "plain"}, implementation="xla"), ValueError,
+     "config: a kernel variant was given but the call runs the XLA reference"),
+    (dict(config="plain"), TypeError, "config: expected None, a TeacherConfig or a dict of its fields, got str"),
+    (dict(config={"path": "gather", "q_in_place": "yes"}), ValueError,
+     "q_in_place: expected None, True or False, got 'yes'"),
+], ids=["q_in_place_one_chunk", "q_in_place_partial_tiles", "gather_teacher_visit_student", "xla", "not_a_config",
+        "q_in_place_not_bool"])
+def test_teacher_config_errors_name_the_field(change, error, match):
+    """Before any kernel runs (traced abstractly)."""
+    c, kw = make_student_case(30, seq=64, topk=6)
+    options = dict(dict(implementation="pallas"), **change)
+    loss = lambda iq, ik, iw: csa_pallas.fused_indexer_distill_loss(iq, ik, iw, c["q"], c["compressed_kv"], **kw,
+                                                                    target="per_head", reduction="sum", **options)
+    with pytest.raises(error, match=match):
+        jax.eval_shape(jax.value_and_grad(loss, argnums=(0, 1, 2)), c["index_q"], c["index_k"], c["index_weights"])

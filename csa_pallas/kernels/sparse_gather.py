@@ -48,15 +48,22 @@ class GatherConfig:
     """block_q: queries per grid step (a multiple of 8). vmem_limit_bytes: Mosaic's scoped-VMEM limit.
     unroll_slots: the 128 slots of a chunk as straight-line code with static SMEM offsets and staging rows (~2
     bundles per row on v5p; the default), or a loop over them (~3.5; a much smaller program, e.g. for the CPU
-    interpreter)."""
+    interpreter). q_in_place: how a query chunk of `fused_indexer_distill_loss` (`Problem.q_window`) reaches the
+    kernel: its q rows read where they lie in the whole q through a scalar-prefetched tile offset (a `RowWindow`;
+    no [B, chunk, H, D] copy), or a per-chunk copy (False); None: in place wherever it applies (q in the compute
+    dtype, chunks of whole query tiles of both TensorCores); True where it cannot apply: a ValueError naming the
+    field (`ops_sparse.in_place_rows`)."""
 
     block_q: int
     vmem_limit_bytes: int
     unroll_slots: bool = True
+    q_in_place: Optional[bool] = None
 
     def __post_init__(self):
         if self.block_q < 8 or self.block_q % 8:
             raise ValueError(f"block_q: expected a positive multiple of 8, got {self.block_q}")
+        if self.q_in_place not in (None, True, False):
+            raise ValueError(f"q_in_place: expected None, True or False, got {self.q_in_place!r}")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["rows", "first_tile"], meta_fields=[])
@@ -369,7 +376,8 @@ def sparse_gather_pallas(q, kv, idx, vbits, lse_in, *, mode: str, cfg: GatherCon
         cost_estimate=pl.CostEstimate(flops=flops, transcendentals=2 * b * s_p * k_p * h,
                                       bytes_accessed=bytes_accessed),
         interpret=interpret,
-        name=f"csa_sparse_gather_{mode}_bq{bq}{'' if cfg.unroll_slots else '_looped'}{'_kl' if kl else ''}",
+        name=(f"csa_sparse_gather_{mode}_bq{bq}{'' if cfg.unroll_slots else '_looped'}{'_kl' if kl else ''}"
+              f"{'_q_in_place' if window is not None else ''}"),
     )(*operands)
 
 
