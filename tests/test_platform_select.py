@@ -30,13 +30,14 @@ def test_platform_choice(environ, chips, want):
 def test_configure_sets_the_backend_and_host_devices_only_for_cpu():
     cpu = {}
     assert configure(cpu, chips_present=False) == "cpu"
-    assert cpu["JAX_PLATFORMS"] == "cpu" and "--xla_force_host_platform_device_count=8" in cpu["XLA_FLAGS"]
+    assert cpu["JAX_PLATFORMS"] == "cpu"
+    assert cpu["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false"
     tpu = {}
     assert configure(tpu, chips_present=True) == "tpu"
     assert tpu["JAX_PLATFORMS"] == "tpu" and "XLA_FLAGS" not in tpu
-    kept = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    kept = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=true"}
     configure(kept, chips_present=False)
-    assert kept["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+    assert kept["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=true"
     with pytest.raises(ValueError, match="^CSA_PALLAS_TEST_PLATFORM: expected 'cpu' or 'tpu', got 'gpu'"):
         chosen_platform({"CSA_PALLAS_TEST_PLATFORM": "gpu"})
 
