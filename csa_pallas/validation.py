@@ -8,11 +8,14 @@ TypeError naming the argument, what was expected and what came, before any kerne
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from csa_pallas.kernels import teacher_config
 
 TARGETS = ("joint", "per_head")
 REDUCTIONS = ("mean", "mean_all", "sum", "none")
@@ -108,8 +111,6 @@ class Problem:
 def freeze_config(config):
     """A teacher `config=` (None, a `TeacherConfig`, or a Mapping of its fields and "path") in the hashable form
     `Problem.teacher_config` keeps; the fields themselves are checked where the layout applies them."""
-    from collections.abc import Mapping
-    from csa_pallas.kernels import teacher_config
     if config is None or isinstance(config, teacher_config.TeacherConfig):
         return config
     if not isinstance(config, Mapping):

@@ -198,3 +198,23 @@ def test_window_lse_op_partitions_itself(axis_type):
         with csa_pallas.activation_sharding(batch="data", heads="heads", seq="seq"):
             got = run(*args)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-6)
+
+
+def test_a_kernel_config_on_sharded_inputs_is_a_named_error():
+    """config= (a kernel variant) is not forwarded to the sharded path, by the plain op nor the fused one: a
+    ValueError naming config, traced before any kernel, instead of a variant silently dropped."""
+    from student_cases import make_student_case
+    mesh = make_mesh({"data": 2}, AxisType.Explicit)
+    c, kw = make_student_case(31, batch=2, seq=32)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", *([None] * (x.ndim - 1)))))
+    q, kv = put(c["q"]), put(c["compressed_kv"])
+    logits = put(jnp.zeros((2, 32, 8), jnp.float32))
+    calls = {"plain": lambda: csa_pallas.indexer_distill_loss(logits, q, kv, **kw, target="joint",
+                                                             config={"walk": "plain"}),
+             "fused": lambda: csa_pallas.fused_indexer_distill_loss(
+                 put(c["index_q"]), put(c["index_k"]), put(c["index_weights"]), q, kv, **kw, target="joint",
+                 config={"walk": "plain"})}
+    for name, call in calls.items():
+        with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"^config: kernel variants are not forwarded to "
+                                                                 r"the sharded path"):
+            jax.eval_shape(call)
