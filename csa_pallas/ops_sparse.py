@@ -101,15 +101,13 @@ def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLay
     kl_logits_dtype: size the default tiles for the fused-KL kernel (the loss path)."""
     dtype = ops.compute_dtype(problem.q, problem.compressed_kv)
     cfg = problem.layout_config if cfg is None else cfg
-    overrides = dict(cfg) if isinstance(cfg, Mapping) else None
-    forced = overrides.pop("path", None) if overrides is not None else None
+    overrides = {name: value for name, value in cfg.items() if name != "path"} if isinstance(cfg, Mapping) else None
     k_p = common.round_up(problem.width, common.LANES)
     n16 = common.round_up(max(problem.num_blocks, 1), 16)  # the gather kernel's DMA chunks of rows
     gather_cfg = sparse_gather.default_config(num_heads=problem.num_heads, head_dim=problem.head_dim,
                                               num_blocks_padded=n16, width_p=k_p, dtype=dtype,
                                               kl_logits_dtype=kl_logits_dtype)
-    path = "visit" if isinstance(cfg, teacher_config.TeacherConfig) else choose_path(
-        problem, forced, gather_cfg is not None)
+    path = choose_path(problem, forced_path(cfg), gather_cfg is not None)
     if path == "gather":
         fields = {f.name for f in dataclasses.fields(sparse_gather.GatherConfig)}
         unknown = sorted(set(overrides or {}) - fields)

@@ -214,7 +214,7 @@ def test_a_kernel_config_on_sharded_inputs_is_a_named_error():
              "fused": lambda: csa_pallas.fused_indexer_distill_loss(
                  put(c["index_q"]), put(c["index_k"]), put(c["index_weights"]), q, kv, **kw, target="joint",
                  config={"walk": "plain"})}
-    for name, call in calls.items():
+    for call in calls.values():
         with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"^config: kernel variants are not forwarded to "
                                                                  r"the sharded path"):
             jax.eval_shape(call)

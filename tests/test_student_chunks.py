@@ -7,8 +7,6 @@ gather path sharing one packed copy of the keys, reading q in place and taking t
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -280,7 +278,7 @@ def test_the_teacher_config_reaches_every_chunk(monkeypatch):
 def test_teacher_config_errors_name_the_field(change, error, match):
     """Before any kernel runs (traced abstractly)."""
     c, kw = make_student_case(30, seq=64, topk=6)
-    options = dict(dict(implementation="pallas"), **change)
+    options = {"implementation": "pallas", **change}
     loss = lambda iq, ik, iw: csa_pallas.fused_indexer_distill_loss(iq, ik, iw, c["q"], c["compressed_kv"], **kw,
                                                                     target="per_head", reduction="sum", **options)
     with pytest.raises(error, match=match):

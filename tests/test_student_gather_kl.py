@@ -75,7 +75,7 @@ def _compare(c, cfg=None, grad_scale=0.5, running_dk=False):
     """running_dk: the kernel adds dk to running partial sums in place (`dk_partials`, what the fused op's query
     chunks carry), started from random ones: the sums it returns minus the start must be this call's dk."""
     operand = student_scores.operand_dtype(c["q"].dtype, c["k"].dtype)
-    start = _running_sums(c["k"])
+    start = _running_sums(c["k"]) if running_dk else None
 
     def run(q, k, w):
         keys = sg.resident_keys(k)
@@ -166,7 +166,6 @@ def test_a_chunk_in_place_under_the_race_and_out_of_bounds_checking_interpreter(
     assert sgk.rows_in_place_ok(c["q"], 16)
     operand = student_scores.operand_dtype(c["q"].dtype, c["k"].dtype)
     held = jax.random.normal(jax.random.key(1), c["q"].shape, jnp.float32).astype(c["q"].dtype)
-
     start = _running_sums(c["k"])
 
     def run(q_all, k, w, dq_all):
