@@ -15,6 +15,12 @@ What each row measures, and how (no TPU: nothing here is a wall-clock measuremen
   active (query tile, kv tile) pairs counted from the pattern's real indices at the path's tiling ("none" by its
   bundle estimate: BEST ESTIMATE would clamp it to the declared flops / peak).
   The gather path's cost does not depend on the pattern (K rows per query).
+* `visit_list` rows (`TeacherConfig.tile_list`: each query tile walks a list of its selected kv tiles on a grid
+  as long as the longest list, a dynamic grid the estimator cannot follow): per pattern, the longest list M at the
+  path's tiling (`--list-block-k`, default the heuristic's) is counted from the real indices and the walk compiled
+  with the benchmark switch `kernels.schedule.ESTIMATE_LIST_STEPS = M` (every query tile's list its min(M,
+  visible) most recent visible tiles, exact for banded), all / none as above; `derived_us` = none + (all - none)
+  x (listed tiles / those fixed lists' tiles).
 * `hbm_bytes`: the kernels' declared HBM traffic (`pl.CostEstimate`, gathers included) plus the XLA ops', from the
   compiled program's cost analysis; `bw_floor_us` = bytes / 2.46 TB/s; `best_us` = max(estimate, bw floor).
 * `dmas`: block DMAs the kernel issues (one per block-index change of each operand along its grid; the gather
@@ -62,13 +68,21 @@ def structs(seq: int, width: int):
     return harness.input_structs(shape_for(width), ["logits", "q", "compressed_kv", "topk_indices"], seq, width)
 
 
-def loss_program(path: str):
+def path_config(path: str, list_block_k=None) -> dict:
+    """The config= of a benchmark path: "visit" / "gather", or "visit_list" (the visit path with tile lists)."""
+    if path != "visit_list":
+        return {"path": path}
+    return {"path": "visit", "tile_list": True, **({"block_k": list_block_k} if list_block_k else {})}
+
+
+def loss_program(path: str, list_block_k=None):
     """fwd+bwd of the per_head loss through the given sparse path."""
     import csa_pallas
+    config = path_config(path, list_block_k)
 
     def fn(logits, q, kv, topk):
         return jax.value_and_grad(lambda x: csa_pallas.indexer_distill_loss(
-            x, q, kv, topk_indices=topk, target="per_head", implementation="pallas", config={"path": path}))(logits)
+            x, q, kv, topk_indices=topk, target="per_head", implementation="pallas", config=config))(logits)
     return fn
 
 
@@ -89,11 +103,12 @@ def baseline_program(logits, q, kv, topk):
     return jax.value_and_grad(lambda x: xla_baseline.sparse_loss(x, q, kv, topk))(logits)
 
 
-def layout_for(seq: int, width: int, path: str):
+def layout_for(seq: int, width: int, path: str, list_block_k=None):
     """The sparse layout the loss program uses (traced abstractly: no arrays)."""
     import jax.numpy as jnp
     from csa_pallas import ops_sparse
-    return ops_sparse.abstract_layout(*structs(seq, width)[1:], {"path": path}, kl_logits_dtype=jnp.float32)
+    return ops_sparse.abstract_layout(*structs(seq, width)[1:], path_config(path, list_block_k),
+                                      kl_logits_dtype=jnp.float32)
 
 
 def pattern_indices(pattern: str, seq: int, width: int, seed: int = 0) -> np.ndarray:
@@ -124,6 +139,46 @@ def active_fraction(idx: np.ndarray, block_q: int, block_k: int, ratio: int = 4)
     pairs = np.unique(qi[keep].astype(np.int64) * (1 << 20) + flat[keep] // block_k).size
     causal = sum((min((i * block_q + block_q) // ratio, seq // ratio) - 1) // block_k + 1 for i in range(nq))
     return pairs / max(causal, 1)
+
+
+def tile_counts(idx: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
+    """Selected kv tiles per query tile (the tile lists' lengths), int [nq]."""
+    seq = idx.shape[0]
+    qi = np.repeat(np.arange(seq) // block_q, idx.shape[1])
+    flat = idx.reshape(-1)
+    keep = flat >= 0
+    pairs = np.unique(qi[keep].astype(np.int64) * (1 << 20) + flat[keep] // block_k)
+    return np.bincount(pairs >> 20, minlength=-(-seq // block_q))
+
+
+def list_rows(te, seq: int, width: int, layout, list_block_k=None) -> list:
+    """The visit path with tile lists, per pattern: compiled with every list fixed to the pattern's longest M
+    (`schedule.ESTIMATE_LIST_STEPS`), all / none; derived none + (all - none) x (listed tiles / fixed tiles)."""
+    from csa_pallas.kernels import schedule
+    cfg, sched = layout.cfg, layout.schedule
+    visible = np.array([sched.static_count(i) for i in range(sched.nq)])
+    args, out = structs(seq, width), []
+    for pattern in PATTERNS:
+        counts = tile_counts(pattern_indices(pattern, seq, width), cfg.block_q, cfg.block_k)
+        longest = max(int(counts.max()), 1)
+        schedule.ESTIMATE_LIST_STEPS = longest
+        try:
+            program = loss_program("visit_list", list_block_k)
+            row = new_row(seq, width, "visit_list", pattern)
+            full = estimate(te, program, args, row, tiles="all", exact=False)
+            none = estimate(te, program, args, dataclasses.replace(row), tiles="none", exact=False)
+        finally:
+            schedule.ESTIMATE_LIST_STEPS = None
+        frac = counts.sum() / max(np.minimum(visible, longest).sum(), 1)
+        chunks = shape_for(width).heads // cfg.head_chunk
+        full.dmas = int(counts.sum()) * chunks * (1 if cfg.cache_scores else 2) + sched.nq * (chunks + 6)
+        if full.est_us is not None and none.bundle_us is not None:
+            full.derived_us = none.bundle_us + (full.est_us - none.bundle_us) * frac
+            full.best_us = max(full.derived_us, full.bw_floor_us or 0.0)
+        full.note = (f"bq{cfg.block_q} bk{cfg.block_k}; longest list {longest} of {sched.nk} tiles; listed / fixed "
+                     f"tiles {frac:.3f}; none {none.bundle_us or float('nan'):.0f} us; {full.note}")[:300]
+        out.append(full)
+    return out
 
 
 def dma_count(seq: int, width: int, path: str, layout) -> int:
@@ -177,14 +232,15 @@ def visit_rows(te, seq: int, width: int, layout) -> list:
     return out
 
 
-def run(seqs, widths, baseline: bool, out_dir: str, dense: bool = False, paths=("visit", "gather"), rows=None):
+def run(seqs, widths, baseline: bool, out_dir: str, dense: bool = False, paths=("visit", "gather"), rows=None,
+        list_block_k=None):
     te = harness.load_tpu_estimate()
     rows = [] if rows is None else rows
     for width in widths:
         for seq in seqs:
             for path in paths:
                 try:
-                    layout = layout_for(seq, width, path)
+                    layout = layout_for(seq, width, path, list_block_k)
                 except ValueError as e:  # e.g. the gather path's resident rows do not fit in VMEM
                     rows.append(dataclasses.replace(new_row(seq, width, path), status="not run", note=str(e)[:300]))
                     continue
@@ -193,10 +249,13 @@ def run(seqs, widths, baseline: bool, out_dir: str, dense: bool = False, paths=(
                     row = estimate(te, loss_program(path), structs(seq, width), new_row(seq, width, path, "any"))
                     row.derived_us = row.est_us
                     new = [row]
+                elif path == "visit_list":
+                    new = list_rows(te, seq, width, layout, list_block_k)
                 else:
                     new = visit_rows(te, seq, width, layout)
                 for row in new:
-                    row.dmas = dma_count(seq, width, path, layout)
+                    if row.dmas is None:  # (visit_list rows count theirs from the lists)
+                        row.dmas = dma_count(seq, width, path, layout)
                 rows += new
                 print(f"  [{path} S={seq} K={width}: {time.time() - t0:.0f} s]", file=sys.stderr, flush=True)
                 write(rows, out_dir)
@@ -241,6 +300,13 @@ def plot(rows, out_dir) -> str:
         for pattern, style in zip(PATTERNS, ("-", "--", ":")):
             ax.plot(*series(lambda r: r.program == "visit" and r.pattern == pattern, "derived_us"), "o" + style,
                     color="C0", label=f"visit path, {pattern}")
+        listed = {}  # the visit path with tile lists, banded: its best tiling per S
+        for r in rows:
+            if r.width == width and r.program == "visit_list" and r.pattern == "banded" and r.derived_us:
+                listed[r.seq] = min(listed.get(r.seq, r.derived_us), r.derived_us)
+        if listed:
+            ax.plot(sorted(listed), [listed[s] / 1e3 for s in sorted(listed)], "v:", color="C4",
+                    label="visit path, tile lists, banded")
         ax.plot(*series(lambda r: r.program == "gather", "est_us"), "s-", color="C1", label="gather path (any)")
         ax.plot(*series(lambda r: r.program == "gather", "floor_us"), "k:", label="K-proportional MXU floor")
         for prog, style, color, label in [("dense mode", "d--", "C2", "dense mode (all blocks)"),
@@ -268,8 +334,11 @@ def main(argv=None):
     parser.add_argument("--baseline", action="store_true", help="also the XLA gather baseline (lower bounds)")
     parser.add_argument("--dense", action="store_true", help="also dense mode on the same shape (per_head)")
     parser.add_argument("--out", default=os.path.join(harness.REPO, "results", "sparse"))
-    parser.add_argument("--paths", nargs="*", default=["visit", "gather"], choices=["visit", "gather"],
-                        help="sparse paths to estimate (none: only --dense / --baseline rows)")
+    parser.add_argument("--paths", nargs="*", default=["visit", "gather"], choices=["visit", "gather", "visit_list"],
+                        help="sparse paths to estimate (none: only --dense / --baseline rows); visit_list: the visit "
+                             "path with tile lists (TeacherConfig.tile_list)")
+    parser.add_argument("--list-block-k", type=int, default=None,
+                        help="visit_list: the kv tile (default: the heuristic's)")
     parser.add_argument("--append", action="store_true", help="add the new rows to the saved JSON in --out")
     parser.add_argument("--replot", action="store_true", help="re-print and re-plot the saved JSON")
     args = parser.parse_args(argv)
@@ -280,8 +349,9 @@ def main(argv=None):
             r.floor_us = mxu_floor_us(r.seq, r.width)
     else:
         rows = run(args.seq, args.width, args.baseline, args.out, args.dense, args.paths,
-                   harness.read_rows(saved) if args.append else [])
-        latest = {(r.seq, r.width, r.program, r.pattern): r for r in rows}  # a re-measured row replaces the saved one
+                   harness.read_rows(saved) if args.append else [], args.list_block_k)
+        latest = {(r.seq, r.width, r.program, r.pattern, r.note[:8] if r.program == "visit_list" else ""): r
+                  for r in rows}  # a re-measured row replaces the saved one
         rows = sorted(latest.values(), key=lambda r: (r.width, r.seq))
         write(rows, args.out)
     print("Sparse loss, fwd+bwd, per_head, static v5p estimates (tpu_estimate BEST ESTIMATE; not measurements)")

@@ -48,6 +48,10 @@ PATHS = ("visit", "gather")
 # N * H >= GATHER_HEAD_BLOCKS_PER_SLOT * K (and its resident rows fit in VMEM), the dense-visit path below.
 # See `choose_path`.
 GATHER_HEAD_BLOCKS_PER_SLOT = 600
+# The visit path's tile lists (`TeacherConfig.tile_list`) are scalar-prefetched into SMEM next to the flag tables:
+# at most this many int32 words (256 KiB of v5p's 1 MiB: S = 32K at 256-block tiles, the largest compiled for v5p
+# here; 1024-block tiles take 16K).
+MAX_LIST_WORDS = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +134,14 @@ def sparse_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> SparseLay
     n_p = teacher_config.padded_blocks(problem.num_blocks, cfg.block_k)
     # Default positions: the causal prefix of each query tile is static (the selection already holds V(t), so
     # a loss_mask needs no table schedule here); otherwise the ranges come from the selected tiles.
-    schedule = schedule_lib.TileSchedule(causal=problem.default_ids, nq=s_p // cfg.block_q,
-                                         nk=n_p // cfg.block_k, block_q=cfg.block_q, block_k=cfg.block_k,
-                                         ratio=problem.compress_ratio, num_blocks=problem.num_blocks)
+    nq, nk = s_p // cfg.block_q, n_p // cfg.block_k
+    listed = teacher_config.resolve_tile_list(cfg, sparse=True)
+    if listed and problem.batch * nq * nk > MAX_LIST_WORDS:
+        raise ValueError(f"tile_list: the lists take B * nq * nk = {problem.batch * nq * nk} words of SMEM, over "
+                         f"{MAX_LIST_WORDS}; use fewer, larger tiles (block_q, block_k) or tile_list False")
+    schedule = schedule_lib.TileSchedule(causal=problem.default_ids, nq=nq, nk=nk, block_q=cfg.block_q,
+                                         block_k=cfg.block_k, ratio=problem.compress_ratio,
+                                         num_blocks=problem.num_blocks, listed=listed)
     return SparseLayout(cfg=cfg, schedule=schedule, padded_seq=s_p, padded_blocks=n_p, padded_width=k_p,
                         path="visit")
 
@@ -190,8 +199,8 @@ class Selection:
     vbits: jax.Array  # int32 [B, S_p, K_p / 32] slot bits: V(t)
     bits: jax.Array  # int32 [B, S_p, W_p] block bits
     tables: jax.Array  # int32 [B * nq * (1 + nkw)] duplicate and active-tile flags
-    firsts: jax.Array  # int32 [B * nq] first kv tile of each query tile (table schedule)
-    counts: jax.Array  # int32 [B * nq] number of kv tiles from there
+    firsts: jax.Array  # int32 [B * nq] first kv tile of each query tile (table schedule); listed: the lists
+    counts: jax.Array  # int32 [B * nq] number of kv tiles from there; listed: [B * nq + 1] (`tile_lists`)
 
 
 def padded_indices(problem: Problem, layout: SparseLayout) -> jax.Array:
@@ -226,7 +235,9 @@ def selection_inputs(problem: Problem, layout: SparseLayout) -> Selection:
                                        interpret=runtime.interpret_mode())
     tables, active = selection.tile_tables(bits, vbits, block_q=cfg.block_q, block_k=cfg.block_k,
                                            num_kv_tiles=schedule.nk)
-    if schedule.causal:
+    if schedule.listed:
+        firsts, counts = selection.tile_lists(active)
+    elif schedule.causal:
         firsts = counts = jnp.zeros((problem.batch * schedule.nq,), jnp.int32)
     else:
         firsts, counts = common.tile_ranges(active)

@@ -2,7 +2,7 @@
 
 Forward + backward at the DeepSeek-V4-Flash shape (B=1, H=64, D=512, m=4, W=128, K=512, bf16) for S=4096 (N=1024,
 the visit path), S=32768 (N=8192) and S=131072 (N=32768) (the gather path), both targets, plus the visit path
-forced at 32K and V4-Pro widths (H=128, K=1024): the program must compile and its temp HBM must stay
+forced at 32K (also walking tile lists) and V4-Pro widths (H=128, K=1024): the program must compile and its temp HBM must stay
 <= 1.25 x one [B, S, K] f32 array + 64 MiB (the valid-slot index array, the selection's bits and the gather path's
 resident rows included).
 """
@@ -60,6 +60,7 @@ def test_sparse_head_major_rows_compile():
 
 @pytest.mark.parametrize("name, seq, heads, width, cfg, path", [
     ("flash_visit_forced", 32768, 64, 512, {"path": "visit"}, "visit"),
+    ("flash_visit_tile_lists", 32768, 64, 512, {"path": "visit", "tile_list": True}, "visit"),  # a dynamic grid
     ("pro_k1024", 16384, 128, 1024, None, "visit"),  # N H / K = 512 < 600
     ("pro_k1024_32k", 32768, 128, 1024, None, "gather"),  # 1,024 >= 600
     ("pro_k1024_gather", 131072, 128, 1024, None, "gather"),

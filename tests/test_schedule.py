@@ -36,6 +36,9 @@ def table(nq, nk, seed, batch):
 
 
 def needed(s, b, qi, firsts, counts):
+    if s.listed:
+        row = b * s.nq + qi
+        return [int(t) for t in firsts[row * s.nk:row * s.nk + int(counts[row])]]
     if s.causal:
         return list(range(s.static_count(qi)))
     first, count = int(firsts[b * s.nq + qi]), int(counts[b * s.nq + qi])
@@ -101,6 +104,43 @@ def test_plain_walk_table(cached):
                counts=counts, reads_kv_pass2=not cached, reads_meta_pass2=not cached)
 
 
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("causal_ids", [True, False])
+def test_plain_walk_listed(cached, causal_ids):
+    """tile_list: each query tile walks its own list of selected kv tiles (`selection.tile_lists`, here from a
+    random selection with gaps, empty rows and one row selecting every tile), on a grid as long as the longest
+    list; the shorter lists' later steps are inactive and re-fetch nothing."""
+    import jax.numpy as jnp
+    from csa_pallas.kernels import selection
+    batch, nq, nk = 2, 5, 6
+    active = np.random.default_rng(3).random((batch, nq, nk)) < 0.4
+    active[0, 1] = False  # a query tile that selected nothing
+    active[1, 2] = True  # one that selected every tile: the longest list is nk
+    active[1, 3] = False
+    lists, counts = (np.asarray(x) for x in selection.tile_lists(jnp.asarray(active)))
+    assert counts[-1] == nk == counts[:-1].max()
+    for row, flags in enumerate(active.reshape(batch * nq, nk)):
+        got = lists[row * nk:(row + 1) * nk]
+        want = np.flatnonzero(flags)
+        assert got[:want.size].tolist() == want.tolist()
+        assert (got[want.size:] == (want[-1] if want.size else 0)).all()  # padding repeats the last tile
+    s = schedule_lib.TileSchedule(causal=causal_ids, nq=nq, nk=nk, block_q=16, block_k=128, ratio=1,
+                                  num_blocks=nk * 128, listed=True)
+    walk = schedule_lib.TeacherWalk(s, kind="plain", cached_pass2=cached)
+    assert int(walk.grid_steps(counts)) == (nk + 1 if cached else 2 * nk)
+    check_walk(walk, batch=batch, chunks=2, firsts=lists, counts=counts, reads_kv_pass2=not cached,
+               reads_meta_pass2=not cached)
+    # A shorter longest list shortens the grid: the steps past it are the ones the walk no longer takes.
+    active[1, 2] = active[1, 1]
+    lists, counts = (np.asarray(x) for x in selection.tile_lists(jnp.asarray(active)))
+    longest = int(active.sum(-1).max())
+    assert counts[-1] == longest < nk and int(walk.grid_steps(counts)) == (longest + 1 if cached else 2 * longest)
+    check_walk(walk, batch=batch, chunks=1, firsts=lists, counts=counts, reads_kv_pass2=not cached,
+               reads_meta_pass2=not cached)
+    with pytest.raises(ValueError, match="needs the plain walk"):
+        schedule_lib.TeacherWalk(s, kind="pairs", cached_pass2=True)
+
+
 @pytest.mark.parametrize("nq, block_q, ratio, block_k, kind", [
     (32, 16, 1, 128, "merged"), (32, 16, 1, 128, "pairs"), (16, 32, 2, 128, "merged"), (16, 16, 32, 16, "pairs"),
 ])
@@ -121,3 +161,26 @@ def test_pair_walk_needs_the_causal_schedule():
         schedule_lib.TeacherWalk(s, kind="pairs", cached_pass2=True)
     with pytest.raises(ValueError, match="walk: 'merged'"):
         schedule_lib.TeacherWalk(causal(16, 1, 16, 16, 32, num_blocks=8), kind="merged", cached_pass2=True)
+
+
+def test_the_benchmark_switch_fixes_every_list_to_the_most_recent_visible_tiles():
+    """`schedule.ESTIMATE_LIST_STEPS = M` (benchmarks only: the estimator cannot read the lists): with default ids
+    every query tile walks its min(M, visible) most recent causally visible kv tiles, computed from the grid ids,
+    on a grid of M pass-1 steps; the benchmark's tile count (`benchmarks.sparse.tile_counts`) is the lists'."""
+    s = schedule_lib.TileSchedule(causal=True, nq=6, nk=4, block_q=16, block_k=32, ratio=1, num_blocks=96, listed=True)
+    walk = schedule_lib.TeacherWalk(s, kind="plain", cached_pass2=True)
+    schedule_lib.ESTIMATE_LIST_STEPS = 2
+    try:
+        assert walk.grid_steps(None) == 3
+        walked = {}
+        for _, _, _, v in schedule_lib.enumerate_steps(walk, batch=1, num_chunks=1):
+            if v.in_pass1 and v.active:
+                walked.setdefault(v.qi, []).append(v.tile)
+    finally:
+        schedule_lib.ESTIMATE_LIST_STEPS = None
+    visible = {qi: s.static_count(qi) for qi in range(s.nq)}
+    assert walked == {qi: list(range(max(n - 2, 0), n)) for qi, n in visible.items() if n}
+    from benchmarks import sparse as bench
+    idx = np.full((96, 4), -1, np.int32)
+    idx[40:, 0], idx[70:, 1] = 3, 65  # tile 0 from query 40 on, tile 2 from query 70 on
+    assert bench.tile_counts(idx, 16, 32).tolist() == [0, 0, 1, 1, 2, 2]

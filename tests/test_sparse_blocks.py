@@ -41,19 +41,37 @@ def _expected_block_target(problem):
     ("walked_pass2", {"cache_scores": False}, None, "per_head", 2),
     ("head_chunks", {"cache_scores": False}, 1, "joint", 2),
     ("cached_head_chunks", {"cache_scores": True, "walk": "plain"}, 1, "per_head", 1),
+    ("tile_lists", {"tile_list": True}, None, "joint", 2),
+    ("tile_lists_walked_pass2", {"tile_list": True, "cache_scores": False}, 1, "per_head", 1),
 ])
 def test_block_target_is_the_slot_target_summed_per_block(name, overrides, head_chunk, target, num_docs):
     """P~[t, s] = the sum of P over row t's valid slots holding s (duplicates, -1, out-of-range, future and
     cross-document slots in the case), -1 on every other block; under the race- and bounds-checking interpreter.
-    walked_pass2 recomputes each tile's slot counts in pass 2 (not cached); head chunks rescale across chunks."""
-    arrays = sparse_case(31, width=24, seq=96, heads=2, head_dim=32, num_docs=num_docs)
-    problem = _problem(arrays, target=target, ratio=4, window=16, head_chunk=head_chunk)
+    walked_pass2 recomputes each tile's slot counts in pass 2 (not cached); head chunks rescale across chunks;
+    tile_lists walk lists of the selected kv tiles (3 of 128 blocks, the later query tiles' lists missing some)."""
+    listed = overrides.get("tile_list", False)
+    seq, ratio = (384, 1) if listed else (96, 4)
+    arrays = sparse_case(31, width=24, seq=seq, ratio=ratio, heads=2, head_dim=32, num_docs=num_docs)
+    if listed:  # the rows of the last 128 queries pick no block of kv tile 1: their lists are [0, 2], [0], ...
+        idx = np.asarray(arrays["topk_indices"]).copy()
+        late = idx[:, 256:]
+        late[(late >= 128) & (late < 256)] = 5
+        arrays["topk_indices"] = jnp.asarray(idx)
+    problem = _problem(arrays, target=target, ratio=ratio, window=16, head_chunk=head_chunk)
     layout = ops_sparse.sparse_layout(problem, dict(path="visit", block_q=16, block_k=128, **overrides))
-    assert layout.path == "visit"
+    assert layout.path == "visit" and layout.schedule.listed == listed
+    if listed:  # each query tile's list: the kv tiles its valid slots select
+        sel = ops_sparse.selection_inputs(problem, layout)
+        lists, counts = np.asarray(sel.firsts).reshape(-1, 3), np.asarray(sel.counts)
+        valid = np.asarray(ops_sparse.slot_validity(problem))
+        tiles = np.where(valid, np.asarray(problem.topk_indices) // 128, -1).reshape(-1, 16 * 24)
+        want = [sorted(set(row[row >= 0].tolist())) for row in tiles]
+        assert [lists[r, :counts[r]].tolist() for r in range(len(want))] == want
+        assert counts[-1] == max(map(len, want)) and any(w and w != list(range(w[0], w[-1] + 1)) for w in want)
     params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", num_cores_or_threads=2)
     with runtime.interpret_override(params):
         def run(a):
-            p, sel = sparse_blocks.block_target(_problem(a, target=target, ratio=4, window=16,
+            p, sel = sparse_blocks.block_target(_problem(a, target=target, ratio=ratio, window=16,
                                                          head_chunk=head_chunk), layout)
             return p, sparse_blocks.has_duplicates(sel)
         target_p, duplicates = jax.jit(run, compiler_options=FAST)(arrays)

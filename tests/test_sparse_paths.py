@@ -133,10 +133,29 @@ def test_dispatch_rule_and_forced_paths():
         big_layout({"path": "gather"})
 
 
+def test_tile_lists_must_fit_in_smem():
+    """The lists are B x nq x nk scalar-prefetched words: S = 32K at 256-block tiles (64K words) is the largest
+    compiled for v5p (benchmarks); 64K queries at those tiles (256K words) is a ValueError naming tile_list."""
+    s = jax.ShapeDtypeStruct
+
+    def layout(seq, cfg):
+        return ops_sparse.abstract_layout(s((1, seq, 64, 512), jnp.bfloat16), s((1, seq // 4, 512), jnp.bfloat16),
+                                          s((1, seq, 512), jnp.int32), cfg, kl_logits_dtype=jnp.float32)
+
+    cfg = {"path": "visit", "tile_list": True, "block_q": 16, "block_k": 256}
+    assert ops_sparse.MAX_LIST_WORDS == 64 * 1024 == layout(32768, cfg).schedule.nq * 32
+    assert layout(32768, cfg).schedule.listed
+    with pytest.raises(ValueError, match="^tile_list: the lists take B \\* nq \\* nk = 262144 words"):
+        layout(65536, cfg)
+
+
 def config_for(path: str) -> dict:
-    """Small visit tiles (several kv tiles to skip); the gather path's slot loop (a small interpreted program: the
-    unrolled default is tested in test_variants and compiled for v5p)."""
-    return {"path": path, **({"block_q": 16, "block_k": 128} if path == "visit" else {"unroll_slots": False})}
+    """Small visit tiles (several kv tiles to skip; "visit_list": the visit path walking lists of the selected
+    tiles, `TeacherConfig.tile_list`); the gather path's slot loop (a small interpreted program: the unrolled
+    default is tested in test_variants and compiled for v5p)."""
+    if path == "gather":
+        return {"path": path, "unroll_slots": False}
+    return {"path": "visit", "block_q": 16, "block_k": 128, **({"tile_list": True} if path == "visit_list" else {})}
 
 
 def pattern_indices(pattern: str, seq: int, width: int, rng):
@@ -174,9 +193,9 @@ def pattern_program(path, target):
 
 
 @pytest.mark.parametrize("pattern", ["uniform", "local_heavy", "banded", "same_block", "distinct_far"])
-@pytest.mark.parametrize("path", ["visit", "gather"])
+@pytest.mark.parametrize("path", ["visit", "visit_list", "gather"])
 def test_selection_patterns_on_both_paths(pattern, path):
-    seq, width = (512 if path == "visit" else 128), 24  # visit: 4 kv tiles of 128 (banded skips some)
+    seq, width = (128 if path == "gather" else 512), 24  # visit: 4 kv tiles of 128 (banded skips some)
     rng = np.random.default_rng(len(pattern))
     a = make_case(3, seq=seq, ratio=1, heads=2, head_dim=32)
     idx = pattern_indices(pattern, seq, width, rng)
@@ -194,12 +213,15 @@ def test_selection_patterns_on_both_paths(pattern, path):
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
     scale = float(np.max(np.abs(want_grad)))
     np.testing.assert_allclose(np.asarray(grad) / scale, np.asarray(want_grad) / scale, atol=1e-5)
-    if path == "visit" and pattern == "banded":  # the pattern leaves kv tiles no query of a tile selected
-        layout = ops_sparse.sparse_layout(problem, {"path": "visit", "block_q": 16, "block_k": 128})
-        _, active = selection.tile_tables(*(lambda s: (s.bits, s.vbits))(ops_sparse.selection_inputs(problem, layout)),
-                                          block_q=16, block_k=128, num_kv_tiles=layout.schedule.nk)
+    if path != "gather" and pattern == "banded":  # the pattern leaves kv tiles no query of a tile selected
+        layout = ops_sparse.sparse_layout(problem, config_for(path))
+        sel = ops_sparse.selection_inputs(problem, layout)
+        _, active = selection.tile_tables(sel.bits, sel.vbits, block_q=16, block_k=128,
+                                          num_kv_tiles=layout.schedule.nk)
         causal = np.array([[kt <= (qi * 16 + 15) // 128 for kt in range(4)] for qi in range(seq // 16)])
         assert np.asarray(active)[0].sum() < causal.sum()
+        if path == "visit_list":  # the grid walks the longest list (2 tiles: the band spans 48 blocks), not 4
+            assert layout.schedule.listed and int(np.asarray(sel.counts)[-1]) == 2
 
 
 def test_duplicates_on_some_query_tiles_only():

@@ -70,6 +70,11 @@ VARIANTS = {
                                                                                 head_chunk=1, kl_chunk=128), {}),
     "sparse_visit_pairs": (True, dict(seq=512, ratio=1), dict(block_q=16, block_k=128, cache_scores=True,
                                                              walk="pairs"), dict(walk="pairs")),
+    # Sparse, the walk over lists of the selected kv tiles (a dynamic grid; 4 kv tiles of 128).
+    "sparse_visit_tile_lists": (True, dict(seq=512, ratio=1), dict(block_q=16, block_k=128, tile_list=True),
+                                dict(walk="plain", tile_list=True)),
+    "sparse_visit_tile_lists_table_two_pass": (True, dict(seq=512, ratio=1, num_docs=2), dict(
+        block_q=16, block_k=128, cache_scores=False, tile_list=True), dict(walk="plain", tile_list=True)),
     # Sparse, the K-proportional gather kernel (f32 rows; bf16 packed rows in two 128-lane planes).
     "sparse_gather": (True, dict(seq=64, ratio=1), dict(path="gather"), {}),
     "sparse_gather_looped_slots": (True, dict(seq=64, ratio=1), dict(path="gather", unroll_slots=False), {}),
@@ -93,6 +98,9 @@ def arrays_for(name):
         junk = rng.integers(-3, s // ratio + 4, (b, s, WIDTH)).astype(np.int32)
         idx = np.where(rng.random((b, s, WIDTH)) < 0.3, junk, picks)
         idx[:, :, 1::7] = idx[:, :, ::7][:, :, :idx[:, :, 1::7].shape[2]]  # duplicates
+        if "tile_lists" in name:  # the last 128 queries pick no block of kv tile 1: lists with a gap
+            late = idx[:, 384:]
+            late[late // 128 == 1] = -1
         a["topk_indices"] = jnp.asarray(idx, jnp.int32)
         a["logits"] = jnp.asarray(rng.standard_normal((b, s, WIDTH)) * 2.0, jnp.float32)
     return a
@@ -151,6 +159,7 @@ def resolved(name):
     facts["walk"] = teacher_config.resolve_walk(cfg, schedule, cached=cfg.cache_scores, num_chunks=nh,
                                                 normalize=True, sparse=sparse)
     facts["straight_pass2"] = teacher_config.resolve_straight_pass2(cfg, schedule, cfg.cache_scores)
+    facts["tile_list"] = schedule.listed
     return facts, cfg
 
 
@@ -197,6 +206,16 @@ def test_a_forced_variant_that_cannot_run_names_its_field():
     with pytest.raises(ValueError, match="^walk: 'pairs' needs the causal schedule"):
         csa_pallas.indexer_distill_loss(a["logits"], a["q"], a["compressed_kv"], **call_kwargs(a),
                                         implementation="pallas", config=dict(block_q=16, block_k=128, walk="pairs"))
+    with pytest.raises(ValueError, match="^tile_list: True needs sparse mode"):
+        csa_pallas.indexer_distill_loss(a["logits"], a["q"], a["compressed_kv"], **call_kwargs(a),
+                                        implementation="pallas", config=dict(block_q=16, block_k=128, tile_list=True))
+    sparse = arrays_for("sparse_visit_tile_lists")
+    with pytest.raises(ValueError, match="^tile_list: True needs the plain walk, got walk='pairs'"):
+        csa_pallas.indexer_distill_loss(sparse["logits"], sparse["q"], sparse["compressed_kv"],
+                                        **call_kwargs(sparse), implementation="pallas",
+                                        config=dict(block_q=16, block_k=128, tile_list=True, walk="pairs"))
+    with pytest.raises(ValueError, match="^tile_list: expected None, True or False, got 1"):
+        teacher_config.TeacherConfig(16, 128, 1, True, 1 << 25, tile_list=1)
     with pytest.raises(ValueError, match="^config: unknown field 'wlak'"):
         csa_pallas.indexer_distill_loss(a["logits"], a["q"], a["compressed_kv"], **call_kwargs(a),
                                         implementation="pallas", config=dict(wlak="plain"))

@@ -26,6 +26,13 @@ from jax import lax
 LANES = 128
 SUBLANES = 8
 MiB = 1 << 20
+
+
+def is_optional_bool(value) -> bool:
+    """None, True or False (a config's auto / forced-on / forced-off field); not 0 or 1, which compare equal."""
+    return value is None or isinstance(value, bool) or type(value).__name__ == "bool_"
+
+
 # Scores are kept in base 2 inside the kernels (z * log2 e, exp2): exp(x) lowers to exp2(x * log2 e) anyway.
 LOG2E = math.log2(math.e)
 # A finite floor for running maxima: exp(floor - floor) = 1 keeps the online rescale NaN-free on fully masked tiles.

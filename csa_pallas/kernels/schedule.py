@@ -32,6 +32,13 @@ from csa_pallas.kernels.common import index_div, index_rem, zigzag
 
 WALKS = ("plain", "pairs", "merged")
 
+# Benchmark switch for static estimates (`benchmarks.sparse`), never changed by the library: a static estimator
+# cannot follow a listed schedule's dynamic grid, its loops over a list or the causal masks' branches of a tile
+# read from SMEM, so with default ids a benchmark compiles the walk with this fixed pass-1 extent (the longest
+# list of the selection it estimates, counted outside) and every query tile's list its min(extent, visible)
+# most recent causally visible kv tiles (a banded selection's lists), all from the grid ids.
+ESTIMATE_LIST_STEPS = None
+
 
 @dataclasses.dataclass(frozen=True)
 class TileSchedule:
@@ -40,6 +47,11 @@ class TileSchedule:
     causal: default ids (one document, positions 0..S-1, S_kv == S): the visible blocks of tile qi are a static
     prefix computed from the grid indices, so the compiler (and static estimators) see the loop bounds. Otherwise
     per-query-tile ranges (`common.tile_ranges`) passed by scalar prefetch decide, splash style.
+    listed (sparse mode, `TeacherConfig.tile_list`): tile qi visits the kv tiles of its own list, the scalar
+    prefetches being the lists (firsts_ref, flat [B * nq * nk]: row b * nq + qi holds the selected tiles in
+    increasing order, then its last one repeated) and the counts (counts_ref [B * nq + 1]; the last word is the
+    longest list, at least 1: the walk's pass-1 extent, `TeacherWalk.pass1_steps`), tokamax-splash style (a grid
+    as long as the longest list, not a padded kv axis). `causal` still says how the kernel masks V(t).
     """
 
     causal: bool
@@ -49,14 +61,23 @@ class TileSchedule:
     block_k: int
     ratio: int
     num_blocks: int
+    listed: bool = False
 
     def last_block(self, qi):
         """Causal schedule: the last block the last query of tile qi sees (-1: none)."""
         return jnp.minimum(index_div(qi * self.block_q + self.block_q, self.ratio) - 1, self.num_blocks - 1)
 
+    def _estimating(self) -> bool:
+        return self.listed and self.causal and ESTIMATE_LIST_STEPS is not None
+
     def count(self, counts_ref, b, qi):
-        if not self.causal:
+        if self._estimating():  # the benchmark switch: every list the most recent visible tiles, that many
+            return jnp.minimum(ESTIMATE_LIST_STEPS, self._causal_count(qi))
+        if self.listed or not self.causal:
             return counts_ref[b * self.nq + qi]
+        return self._causal_count(qi)
+
+    def _causal_count(self, qi):
         last_block = self.last_block(qi)
         return jnp.where(last_block >= 0, index_div(jnp.maximum(last_block, 0), self.block_k) + 1, 0)
 
@@ -80,15 +101,35 @@ class TileSchedule:
         return index_div(seen + chunk - 1, chunk) * chunk
 
     def first(self, firsts_ref, b, qi):
+        if self._estimating():
+            return self.tile(firsts_ref, None, b, qi, 0)
+        if self.listed:
+            return firsts_ref[(b * self.nq + qi) * self.nk]
         return 0 if self.causal else firsts_ref[b * self.nq + qi]
 
     def tile(self, firsts_ref, counts_ref, b, qi, k):
         """The k-th visited tile (padding steps repeat the last one, so nothing is re-fetched)."""
         last = jnp.maximum(self.count(counts_ref, b, qi) - 1, 0)
+        if self._estimating():  # computable from the grid ids, as the causal walk's: the estimator resolves the
+            # causal masks' branches as there instead of counting every one
+            return jnp.maximum(self._causal_count(qi) - self.count(counts_ref, b, qi), 0) + jnp.minimum(k, last)
+        if self.listed:
+            return firsts_ref[(b * self.nq + qi) * self.nk + jnp.minimum(k, last)]
         return self.first(firsts_ref, b, qi) + jnp.minimum(k, last)
+
+    def pass1_steps(self, counts_ref):
+        """Listed: the longest list (the last word of the counts, >= 1; a benchmark may fix it statically,
+        `ESTIMATE_LIST_STEPS`). Otherwise nk."""
+        if not self.listed:
+            return self.nk
+        if ESTIMATE_LIST_STEPS is not None:
+            return ESTIMATE_LIST_STEPS
+        return counts_ref[counts_ref.shape[0] - 1]
 
     def natural(self, firsts_ref, counts_ref, b, qi, k):
         """For a walk over every kv tile k: (tile to keep resident, whether tile k is in the visited range)."""
+        if self.listed:
+            raise ValueError("natural: a walk over every kv tile has no list schedule")
         first = self.first(firsts_ref, b, qi)
         count = self.count(counts_ref, b, qi)
         needed = (k >= first) & (k < first + count)
@@ -99,7 +140,8 @@ class TileSchedule:
     def pairs_fit(self) -> bool:
         """The pair walk needs every second tile (nq-1-i) to visit a kv tile: its pass 2 gets a step of its own."""
         nq = self.nq
-        return self.causal and nq % 2 == 0 and all(self.static_count(nq - 1 - i) >= 1 for i in range(nq // 2))
+        return (self.causal and not self.listed and nq % 2 == 0
+                and all(self.static_count(nq - 1 - i) >= 1 for i in range(nq // 2)))
 
     def pairs_merge(self) -> bool:
         """Every second tile visits >= 2 kv tiles: its pass 2 can follow its last pass-1 step in the same grid step
@@ -151,6 +193,8 @@ class TeacherWalk:
     pass2_meta: str = "walk"
 
     def __post_init__(self):
+        if self.schedule.listed and self.kind != "plain":
+            raise ValueError(f"walk: a listed schedule (tile_list) needs the plain walk, got {self.kind!r}")
         if self.kind not in WALKS:
             raise ValueError(f"walk: expected one of {WALKS}, got {self.kind!r}")
         if self.kind != "plain" and not self.schedule.pairs_fit():
@@ -177,11 +221,19 @@ class TeacherWalk:
             return most if self.kind == "merged" else most + 1
         return s.nk + 1 if self.cached_pass2 else 2 * s.nk
 
+    def grid_steps(self, counts):
+        """The grid's step extent: `steps`, or for a listed schedule the longest list's (a traced int32 scalar,
+        from the counts array [B * nq + 1] the kernel also takes; a dynamic grid)."""
+        if not self.schedule.listed:
+            return self.steps
+        nk = self.schedule.pass1_steps(counts)
+        return nk + 1 if self.cached_pass2 else 2 * nk
+
     def decode(self, p, c, step, firsts_ref=None, counts_ref=None) -> StepView:
         s = self.schedule
         if self.paired:
             return self._decode_pair(p, c, step)
-        nk = s.nk
+        nk = s.pass1_steps(counts_ref)  # listed: the longest list; its shorter lists' later steps are inactive
         b = index_div(p, s.nq)
         qi = zigzag(index_rem(p, s.nq), s.nq)
         in_pass1 = step < nk
@@ -283,7 +335,7 @@ def enumerate_steps(walk: TeacherWalk, *, batch: int, num_chunks: int, firsts=No
 
     for p in range(batch * walk.rows):
         for c in range(num_chunks):
-            for step in range(walk.steps):
+            for step in range(int(walk.grid_steps(counts))):
                 v = walk.decode(jnp.int32(p), jnp.int32(c), jnp.int32(step), firsts, counts)
                 yield p, c, step, StepView(**{f.name: py(jax.device_get(getattr(v, f.name)))
                                               for f in dataclasses.fields(StepView)})

@@ -236,6 +236,20 @@ def tile_tables(bits, vbits, *, block_q: int, block_k: int, num_kv_tiles: int):
     return jnp.concatenate([dup[..., None], packed], axis=-1).reshape(-1), active
 
 
+def tile_lists(active):
+    """The walk's lists of selected kv tiles (`schedule.TileSchedule.listed`): active bool [B, nq, nk] ->
+    (lists int32 [B * nq * nk]: row (b, qi) the active tiles in increasing order, then its last one repeated, so
+    a step past the list re-fetches nothing (tile 0 for a query tile with none); counts int32 [B * nq + 1]: the
+    rows' active tiles, then the longest row's count, at least 1: the grid's pass-1 extent)."""
+    nk = active.shape[-1]
+    order = jnp.argsort(jnp.logical_not(active), axis=-1, stable=True).astype(jnp.int32)  # active tiles first
+    counts = jnp.sum(active, axis=-1, dtype=jnp.int32)
+    last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
+    lists = jnp.where(jnp.arange(nk, dtype=jnp.int32) < counts[..., None], order, last)
+    longest = jnp.maximum(jnp.max(counts), 1).reshape(1)
+    return lists.reshape(-1), jnp.concatenate([counts.reshape(-1), longest])
+
+
 # Benchmark switches for static estimates (`benchmarks`), never changed by the library. A static estimator cannot
 # read the scalar-prefetched flags, so it counts every flag-guarded region of every grid step. _ESTIMATE_TILES = "all"
 # compiles the tile flag out (every walked tile selected: exact for a selection touching every causally visible

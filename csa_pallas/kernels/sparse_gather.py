@@ -62,7 +62,7 @@ class GatherConfig:
     def __post_init__(self):
         if self.block_q < 8 or self.block_q % 8:
             raise ValueError(f"block_q: expected a positive multiple of 8, got {self.block_q}")
-        if self.q_in_place not in (None, True, False):
+        if not common.is_optional_bool(self.q_in_place):
             raise ValueError(f"q_in_place: expected None, True or False, got {self.q_in_place!r}")
 
 

@@ -87,7 +87,7 @@ class StudentGatherConfig:
         if self.vmem_limit_bytes < common.MiB:
             raise ValueError(f"vmem_limit_bytes: expected at least 1 MiB, got {self.vmem_limit_bytes}")
         for name in ("rows_in_place", "dk_in_place"):
-            if getattr(self, name) not in (None, True, False):
+            if not common.is_optional_bool(getattr(self, name)):
                 raise ValueError(f"{name}: expected None, True or False, got {getattr(self, name)!r}")
 
 

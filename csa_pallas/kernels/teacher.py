@@ -5,11 +5,13 @@ Grid (B*nq "parallel", H/hc "arbitrary", passes*nk "arbitrary"):
     v5p chip get the same causal work;
   * axis 1 walks head chunks of `head_chunk` heads (MaxText's `mla_qk_head_chunk_size` as a VMEM tile);
   * axis 2 walks the kv tiles a query tile needs (per-query-tile kv ranges via scalar prefetch, splash style: tiles
-    no query of the tile can see are neither fetched nor computed), once for the log-sum-exp (pass 1) and once for
-    the probabilities (pass 2). With `full_lse` given there is only pass 2; with `cache_scores` pass 2 re-reads the
-    masked scores pass 1 left in VMEM instead of a second matmul, all of them in one step after pass 1, whose last
-    step already computed F. Causal cached runs with one head chunk walk query tiles in pairs (qi, nq-1-qi) on
-    axis 0 instead, the pair's steps back to back: every pair has the same number of steps, so none idles.
+    no query of the tile can see are neither fetched nor computed; sparse mode with `tile_list`: a list of the
+    tiles the tile's queries selected, the axis as long as the longest list), once for the log-sum-exp (pass 1)
+    and once for the probabilities (pass 2). With `full_lse` given there is only pass 2; with `cache_scores` pass 2
+    re-reads the masked scores pass 1 left in VMEM instead of a second matmul, all of them in one step after pass
+    1, whose last step already computed F. Causal cached runs with one head chunk walk query tiles in pairs
+    (qi, nq-1-qi) on axis 0 instead, the pair's steps back to back: every pair has the same number of steps, so
+    none idles.
 
 Per step the hc heads of bq queries form R = hc*bq rows [R, D] (head-major) against one kv tile [bk, D]: one MXU
 call, f32 accumulation (with the causal schedule, a diagonal kv tile only up to its last visible 128-lane chunk).
@@ -35,7 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from csa_pallas.kernels import common, fused_kl, rebase, runtime, selection, slot_counts, teacher_phases
 from csa_pallas.kernels import schedule as schedule_lib
 from csa_pallas.kernels.teacher_config import (TeacherConfig, resolve_row_layout, resolve_straight_pass2,
-                                               resolve_walk)
+                                               resolve_tile_list, resolve_walk)
 
 MODES = rebase.MODES
 EMPTY_SLOT = selection.EMPTY_SLOT  # sparse mode: the value of empty slots in P
@@ -57,7 +59,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
       q: [B, S_p, H, D] (bf16/f32), S_p a multiple of cfg.block_q.
       kv: [B, N_p, D] same dtype as q, N_p a multiple of cfg.block_k.
       qmeta: int32 [B, S_p, 128]; kmeta: int32 [B, 8, N_p] (see `common`).
-      firsts, counts: per-query-tile kv-tile ranges from `common.tile_ranges` (ignored when schedule.causal).
+      firsts, counts: per-query-tile kv-tile ranges from `common.tile_ranges` (ignored when schedule.causal), or
+        with schedule.listed the tile lists and counts of `selection.tile_lists`.
       lse_in: None (per_head), or (u - sigma, sigma) (joint) / (F - sigma, sigma) (full_lse), each f32 in the row
         layout's HBM form (`common.row_layout(...).stats_to_hbm`); sigma is a per-row shift (`rebase`).
       mode: "per_head" | "joint" | "full_lse".
@@ -96,6 +99,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         seq_len = kl.seq_len
     # Causal cached single-chunk runs walk query tiles in pairs (qi, nq-1-qi), each pair with the same number of
     # steps, instead of nk + 1 steps per tile of which the early tiles leave most idle (~200 bundles each).
+    if resolve_tile_list(cfg, sparse=picks is not None) != schedule.listed:
+        raise ValueError(f"tile_list: the config says {cfg.tile_list}, the schedule listed={schedule.listed}")
     kind = resolve_walk(cfg, schedule, cached=cached, num_chunks=nh, normalize=normalize or kl is not None,
                         sparse=picks is not None)
     walk = schedule_lib.TeacherWalk(schedule, kind=kind, cached_pass2=cached or kind != "plain")
@@ -189,7 +194,7 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2 if sel is None else 3,
-            grid=(b * walk.rows, nh, walk.steps),
+            grid=(b * walk.rows, nh, walk.grid_steps(counts)),  # listed: a dynamic extent
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=scratch,
@@ -205,15 +210,18 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
                                     + bits.size * 4),
         interpret=interpret,
         name=f"csa_{'sparse_' if sel else ''}teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}_{kind}"
-             f"{'_cached' if cached else ''}{'_kl' if kl else ''}{'_blocks' if block_order else ''}",
+             f"{'_cached' if cached else ''}{'_listed' if schedule.listed else ''}{'_kl' if kl else ''}"
+             f"{'_blocks' if block_order else ''}",
     )(firsts, counts, *([] if sel is None else [tables]), *operands)
 
 
 def visited_tiles(schedule: schedule_lib.TileSchedule, batch: int) -> int:
     """kv tiles the walk visits per (head chunk, pass) over the whole batch: exact for the causal schedule, all
-    nq * nk tiles (an upper bound) when the ranges come from the ids at run time."""
+    nq * nk tiles (an upper bound) when the ranges come from the ids at run time; with tile lists the causally
+    visible tiles (an upper bound; a benchmark's fixed lists, `schedule.ESTIMATE_LIST_STEPS`, exactly)."""
     if schedule.causal:
-        return batch * sum(schedule.static_count(i) for i in range(schedule.nq))
+        most = schedule_lib.ESTIMATE_LIST_STEPS if schedule.listed else None  # a benchmark's fixed lists
+        return batch * sum(min(schedule.static_count(i), most or schedule.nk) for i in range(schedule.nq))
     return batch * schedule.nq * schedule.nk
 
 

@@ -38,7 +38,11 @@ class TeacherConfig:
     "head" (the chunk's heads copied into head-major rows). kl_chunk: lanes per fused-KL epilogue sweep (one sweep
     when the padded width fits; None: `fused_kl.FusedKL.chunk`). Sparse mode only: slot_fold, the layout of the
     exact slot counts of a query tile with a duplicated index (`slot_counts`; None: transposed when the query tile
-    folds into 128 lanes; False: the row-major loop).
+    folds into 128 lanes; False: the row-major loop). tile_list: the walk over a list of each query tile's selected
+    kv tiles only, the grid's step axis as long as the longest list (a dynamic grid: `schedule.TileSchedule.listed`)
+    instead of every causally visible kv tile with the unselected ones skipped (each still a grid step); None: off
+    (a static estimator cannot follow a dynamic grid, so its gain is derived, not measured: README, "Sparse mode");
+    True needs the plain walk.
     """
 
     block_q: int
@@ -51,6 +55,7 @@ class TeacherConfig:
     row_order: Optional[str] = None
     kl_chunk: Optional[int] = None
     slot_fold: Optional[bool] = None
+    tile_list: Optional[bool] = None
 
     def __post_init__(self):
         if self.block_q < 16 or self.block_q % 16:
@@ -63,8 +68,8 @@ class TeacherConfig:
             raise ValueError(f"walk: expected one of {WALK_CHOICES}, got {self.walk!r}")
         if self.row_order not in ROW_ORDERS:
             raise ValueError(f"row_order: expected one of {ROW_ORDERS}, got {self.row_order!r}")
-        for name in ("straight_pass2", "slot_fold"):
-            if getattr(self, name) not in (None, True, False):
+        for name in ("straight_pass2", "slot_fold", "tile_list"):
+            if not common.is_optional_bool(getattr(self, name)):
                 raise ValueError(f"{name}: expected None, True or False, got {getattr(self, name)!r}")
         if self.kl_chunk is not None and (self.kl_chunk < 128 or self.kl_chunk % 128):
             raise ValueError(f"kl_chunk: expected None or a positive multiple of 128, got {self.kl_chunk}")
@@ -107,6 +112,17 @@ def resolve_walk(cfg: TeacherConfig, schedule: schedule_lib.TileSchedule, *, cac
         raise ValueError(f"walk: {cfg.walk!r} needs the causal schedule (default ids), cache_scores, one head chunk "
                          f"and an even number of query tiles each of whose second tiles sees a block")
     return cfg.walk
+
+
+def resolve_tile_list(cfg: TeacherConfig, *, sparse: bool) -> bool:
+    """Whether the walk follows per-query-tile lists of the selected kv tiles (`TeacherConfig.tile_list`)."""
+    if not cfg.tile_list:
+        return False
+    if not sparse:
+        raise ValueError("tile_list: True needs sparse mode (topk_indices): the lists are of the selected kv tiles")
+    if cfg.walk not in ("auto", "plain"):
+        raise ValueError(f"tile_list: True needs the plain walk, got walk={cfg.walk!r}")
+    return True
 
 
 def resolve_straight_pass2(cfg: TeacherConfig, schedule: schedule_lib.TileSchedule, cached: bool) -> bool:
