@@ -260,6 +260,20 @@ def test_the_teacher_config_reaches_every_chunk(monkeypatch):
     assert configs and all(not cfg.cache_scores and cfg.block_q == 16 for cfg in configs), configs
 
 
+def test_tile_lists_reach_every_sparse_chunk(monkeypatch):
+    """config={"path": "visit", "tile_list": True} on the fused op: every query chunk's teacher walks tile lists
+    (a dynamic grid inside the chunks' loop; 3 kv tiles of 128 blocks), and the loss and gradients match the
+    oracle."""
+    from csa_pallas.kernels import teacher as teacher_kernel
+    listed, launch = [], teacher_kernel.teacher_pallas
+    monkeypatch.setattr(teacher_kernel, "teacher_pallas",
+                        lambda *a, **k: listed.append(k["schedule"].listed) or launch(*a, **k))
+    c, kw = make_student_case(31, seq=320, ratio=1, topk=12)
+    check(c, kw, "per_head", implementation="pallas", query_chunk=160,
+          config={"path": "visit", "tile_list": True, "block_q": 16, "block_k": 128})
+    assert listed and all(listed), listed
+
+
 @pytest.mark.parametrize("change, error, match", [
     (dict(config={"path": "gather", "q_in_place": True}), ValueError,
      r"config: 'q_in_place' True needs query chunks of fused_indexer_distill_loss"),
