@@ -129,26 +129,23 @@ def pattern_indices(pattern: str, seq: int, width: int, seed: int = 0) -> np.nda
     return np.where((idx < 0) | (visible == 0), -1, idx).astype(np.int32)
 
 
-def active_fraction(idx: np.ndarray, block_q: int, block_k: int, ratio: int = 4) -> float:
-    """Active (query tile, kv tile) pairs / causally visible ones at the visit path's tiling."""
-    seq = idx.shape[0]
-    nq = -(-seq // block_q)
-    qi = np.repeat(np.arange(seq) // block_q, idx.shape[1])
-    flat = idx.reshape(-1)
-    keep = flat >= 0
-    pairs = np.unique(qi[keep].astype(np.int64) * (1 << 20) + flat[keep] // block_k).size
-    causal = sum((min((i * block_q + block_q) // ratio, seq // ratio) - 1) // block_k + 1 for i in range(nq))
-    return pairs / max(causal, 1)
-
-
 def tile_counts(idx: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
-    """Selected kv tiles per query tile (the tile lists' lengths), int [nq]."""
+    """Selected kv tiles per query tile (the active (query tile, kv tile) pairs; the tile lists' lengths), int
+    [nq]."""
     seq = idx.shape[0]
     qi = np.repeat(np.arange(seq) // block_q, idx.shape[1])
     flat = idx.reshape(-1)
     keep = flat >= 0
     pairs = np.unique(qi[keep].astype(np.int64) * (1 << 20) + flat[keep] // block_k)
     return np.bincount(pairs >> 20, minlength=-(-seq // block_q))
+
+
+def active_fraction(idx: np.ndarray, block_q: int, block_k: int, ratio: int = 4) -> float:
+    """Active (query tile, kv tile) pairs / causally visible ones at the visit path's tiling."""
+    seq = idx.shape[0]
+    nq = -(-seq // block_q)
+    causal = sum((min((i * block_q + block_q) // ratio, seq // ratio) - 1) // block_k + 1 for i in range(nq))
+    return int(tile_counts(idx, block_q, block_k).sum()) / max(causal, 1)
 
 
 def list_rows(te, seq: int, width: int, layout, list_block_k=None) -> list:
@@ -170,8 +167,7 @@ def list_rows(te, seq: int, width: int, layout, list_block_k=None) -> list:
         finally:
             schedule.ESTIMATE_LIST_STEPS = None
         frac = counts.sum() / max(np.minimum(visible, longest).sum(), 1)
-        chunks = shape_for(width).heads // cfg.head_chunk
-        full.dmas = int(counts.sum()) * chunks * (1 if cfg.cache_scores else 2) + sched.nq * (chunks + 6)
+        full.dmas = dma_count(seq, width, "visit_list", layout, tiles=int(counts.sum()))
         if full.est_us is not None and none.bundle_us is not None:
             full.derived_us = none.bundle_us + (full.est_us - none.bundle_us) * frac
             full.best_us = max(full.derived_us, full.bw_floor_us or 0.0)
@@ -181,16 +177,18 @@ def list_rows(te, seq: int, width: int, layout, list_block_k=None) -> list:
     return out
 
 
-def dma_count(seq: int, width: int, path: str, layout) -> int:
+def dma_count(seq: int, width: int, path: str, layout, tiles=None) -> int:
     """Block DMAs of the sparse kernel: one per block-index change of each operand along the grid (per core the
-    resident rows once), from the tiling. Visit: per visited kv tile one kv block; per (query tile, head chunk)
-    the q block and, per query tile, 2 slot-index blocks, the bits, the logits, the statistics and G."""
+    resident rows once), from the tiling. Visit: per visited kv tile one kv block (tiles: the visited tiles; None:
+    every causally visible one, as the flag walk visits); per (query tile, head chunk) the q block and, per query
+    tile, 2 slot-index blocks, the bits, the logits, the statistics and G."""
     cfg = layout.cfg
     if path == "gather":
         return 6 * (seq // cfg.block_q) + 2
     s = layout.schedule
     chunks = shape_for(width).heads // cfg.head_chunk
-    tiles = sum(s.static_count(i) for i in range(s.nq))
+    if tiles is None:
+        tiles = sum(s.static_count(i) for i in range(s.nq))
     return tiles * chunks * (1 if cfg.cache_scores else 2) + s.nq * (chunks + 6)
 
 
@@ -350,8 +348,9 @@ def main(argv=None):
     else:
         rows = run(args.seq, args.width, args.baseline, args.out, args.dense, args.paths,
                    harness.read_rows(saved) if args.append else [], args.list_block_k)
-        latest = {(r.seq, r.width, r.program, r.pattern, r.note[:8] if r.program == "visit_list" else ""): r
-                  for r in rows}  # a re-measured row replaces the saved one
+        # a re-measured row replaces the saved one (visit_list rows per tiling: their note's first field)
+        latest = {(r.seq, r.width, r.program, r.pattern, r.note.split(";")[0] if r.program == "visit_list" else ""): r
+                  for r in rows}
         rows = sorted(latest.values(), key=lambda r: (r.width, r.seq))
         write(rows, args.out)
     print("Sparse loss, fwd+bwd, per_head, static v5p estimates (tpu_estimate BEST ESTIMATE; not measurements)")

@@ -21,6 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 LANES = 128
@@ -30,7 +31,7 @@ MiB = 1 << 20
 
 def is_optional_bool(value) -> bool:
     """None, True or False (a config's auto / forced-on / forced-off field); not 0 or 1, which compare equal."""
-    return value is None or isinstance(value, bool) or type(value).__name__ == "bool_"
+    return value is None or isinstance(value, (bool, np.bool_))
 
 
 # Scores are kept in base 2 inside the kernels (z * log2 e, exp2): exp(x) lowers to exp2(x * log2 e) anyway.

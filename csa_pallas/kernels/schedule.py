@@ -50,7 +50,7 @@ class TileSchedule:
     listed (sparse mode, `TeacherConfig.tile_list`): tile qi visits the kv tiles of its own list, the scalar
     prefetches being the lists (firsts_ref, flat [B * nq * nk]: row b * nq + qi holds the selected tiles in
     increasing order, then its last one repeated) and the counts (counts_ref [B * nq + 1]; the last word is the
-    longest list, at least 1: the walk's pass-1 extent, `TeacherWalk.pass1_steps`), tokamax-splash style (a grid
+    longest list, at least 1: the walk's pass-1 extent, `pass1_steps`), tokamax-splash style (a grid
     as long as the longest list, not a padded kv axis). `causal` still says how the kernel masks V(t).
     """
 
@@ -118,11 +118,11 @@ class TileSchedule:
         return self.first(firsts_ref, b, qi) + jnp.minimum(k, last)
 
     def pass1_steps(self, counts_ref):
-        """Listed: the longest list (the last word of the counts, >= 1; a benchmark may fix it statically,
+        """Listed: the longest list (the last word of the counts, >= 1; with default ids a benchmark may fix it:
         `ESTIMATE_LIST_STEPS`). Otherwise nk."""
         if not self.listed:
             return self.nk
-        if ESTIMATE_LIST_STEPS is not None:
+        if self._estimating():
             return ESTIMATE_LIST_STEPS
         return counts_ref[counts_ref.shape[0] - 1]
 

@@ -269,9 +269,10 @@ class TeacherStep:
         first_tile = schedule.first(self.firsts_ref, at.b, self.out_qi)
         if schedule.listed:  # the i-th cached tile is the i-th of the list
             tile_of = lambda i: schedule.tile(self.firsts_ref, self.counts_ref, at.b, self.out_qi, i)
+            last_tile = tile_of(count - 1)
         else:  # a range (the causal prefix: first_tile 0)
             tile_of = lambda i: first_tile + i
-        last_tile = tile_of(count - 1) if schedule.listed else first_tile + count - 1
+            last_tile = first_tile + count - 1
         widths = [bk] if chunk == bk else list(range(chunk, bk + 1, chunk))
         width = bk if chunk == bk else schedule.visible_width(self.out_qi, last_tile, chunk)
 
@@ -280,8 +281,7 @@ class TeacherStep:
             # exponentials with the next tile's loads, which a loop iteration boundary prevents (~10% of pass 2).
             def straight(n, w):
                 for i in range(n):
-                    accumulate(tile_of(i) if schedule.listed else i,
-                               cache_ref[i] if i < n - 1 or w == bk else cache_ref[i, ..., :w])
+                    accumulate(tile_of(i), cache_ref[i] if i < n - 1 or w == bk else cache_ref[i, ..., :w])
 
             for n in range(1, schedule.nk + 1):
                 for w in widths:
