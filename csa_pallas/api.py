@@ -59,15 +59,12 @@ def check_window_layout(segment_ids, positions):
                    "with strictly increasing positions; pass noncompressed_lse or implementation='xla' otherwise")
 
 
-def _placed(problem: Problem, config, run_sharded):
+def _placed(problem: Problem, run_sharded):
     """The op's result through `sharding.py` when its inputs live on a multi-device mesh (`placement.resolve`),
-    else None. run_sharded(mesh, axes_kwargs) makes the sharded call."""
+    else None. run_sharded(mesh, axes_kwargs) makes the sharded call (the caller's config= included)."""
     where = placement.resolve(problem.q)
     if where is None:
         return None
-    if config is not None:
-        raise ValueError(f"config: kernel variants are not forwarded to the sharded path ({where.describe()}); drop "
-                         f"config or call the op on unsharded inputs")
     axes = dict(batch_axes=where.batch_axes, head_axis=where.head_axis, seq_axis=where.seq_axis)
     try:
         return run_sharded(where.mesh, axes)
@@ -132,8 +129,8 @@ def indexer_distill_loss(
     def run_sharded(mesh, axes):
         from csa_pallas import sharding
         return sharding.sharded_indexer_distill_loss(mesh, indexer_logits, q, compressed_kv, **axes, **teacher,
-                                                     reduction=reduction, scale=scale)
-    placed = _placed(problem, config, run_sharded)
+                                                     reduction=reduction, scale=scale, config=config)
+    placed = _placed(problem, run_sharded)
     if placed is not None:
         return placed
     placement.check_kernels_can_run_here(problem)
@@ -168,8 +165,8 @@ def teacher_distribution(
 
     def run_sharded(mesh, axes):
         from csa_pallas import sharding
-        return sharding.sharded_teacher_distribution(mesh, q, compressed_kv, **axes, **teacher)
-    placed = _placed(problem, config, run_sharded)
+        return sharding.sharded_teacher_distribution(mesh, q, compressed_kv, **axes, **teacher, config=config)
+    placed = _placed(problem, run_sharded)
     if placed is not None:
         return placed
     placement.check_kernels_can_run_here(problem)
@@ -214,7 +211,7 @@ def noncompressed_lse(
             mesh, q, window_kv, **axes, sinks=sinks, segment_ids=segment_ids, positions=positions,
             kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, window_size=window_size,
             softmax_scale=softmax_scale, head_chunk=head_chunk)
-    placed = _placed(problem, None, run_sharded)
+    placed = _placed(problem, run_sharded)
     if placed is not None:
         return placed
     from csa_pallas import ops
@@ -327,7 +324,8 @@ def fused_indexer_distill_loss(
         implementation="xla" takes "auto" or "xla".
       config: the teacher kernels' variant, as `indexer_distill_loss`'s config (a `TeacherConfig` or a dict of
         its fields; sparse mode: "path" and the path's fields, e.g. the gather path's `q_in_place`, how each query
-        chunk's q rows reach the kernel). Pallas path only; not forwarded to the sharded path.
+        chunk's q rows reach the kernel). Pallas path only; on a mesh, every device's teacher takes it
+        (`sharded_fused_indexer_distill_loss`).
 
     Pallas path: the loss is taken over chunks of query rows (`fused_student`), each chunk's scores (the student
     kernels, `kernels/student_scores.py`: the ReLU terms stay in VMEM, forward and backward) feeding the teacher +
@@ -364,8 +362,8 @@ def fused_indexer_distill_loss(
         from csa_pallas import sharded_student
         return sharded_student.sharded_fused_indexer_distill_loss(
             mesh, index_q, index_k, index_weights, q, compressed_kv, **axes, **teacher, reduction=reduction,
-            scale=scale, index_head_chunk=index_head_chunk, query_chunk=query_chunk, student=student)
-    placed = _placed(problem, config, run_sharded)
+            scale=scale, index_head_chunk=index_head_chunk, query_chunk=query_chunk, student=student, config=config)
+    placed = _placed(problem, run_sharded)
     if placed is not None:
         return placed
     placement.check_kernels_can_run_here(problem)

@@ -46,6 +46,7 @@ from csa_pallas import api
 from csa_pallas import sharded_student
 from csa_pallas import sharding
 from csa_pallas import teacher_args
+from csa_pallas import validation
 from csa_pallas.validation import IMPLEMENTATIONS, REDUCTIONS, TARGETS
 
 __all__ = [
@@ -109,6 +110,8 @@ class IndexerLossConfig:
       padding_segment_id: a call that passes segment_ids but no loss_mask masks the rows of this segment id out of
         the loss (loss_mask = segment_ids != padding_segment_id); None (the default) masks nothing.
         `from_maxtext_config` sets 0, MaxText's padding id (`decoder_segment_ids == 0`); override with None.
+      kernel_config: the teacher kernels' variant, the ops' `config=` (a `TeacherConfig` or a dict of its fields,
+        e.g. {"path": "visit", "tile_list": True}; sharded too); None: the heuristics.
     """
 
     compress_ratio: int = 4
@@ -125,9 +128,16 @@ class IndexerLossConfig:
     head_axis: Optional[str] = None
     seq_axis: Optional[str] = None
     padding_segment_id: Optional[int] = None
+    kernel_config: Any = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: canonicalise in place
+        try:  # hashable: a dict is kept as its sorted items (which dataclasses.replace hands back)
+            kernel = self.kernel_config
+            set_("kernel_config", validation.freeze_config(dict(kernel) if isinstance(kernel, tuple) else kernel))
+        except (TypeError, ValueError):
+            raise TypeError(f"kernel_config: expected None, a TeacherConfig or a dict of its fields, got "
+                            f"{type(self.kernel_config).__name__}") from None
         if self.padding_segment_id is not None and not _is_int(self.padding_segment_id):
             raise ValueError(f"padding_segment_id: expected None or an int, got {self.padding_segment_id!r}")
         set_("compress_ratio", _positive_int("compress_ratio", self.compress_ratio))
@@ -253,7 +263,8 @@ def _compute_loss(cfg: IndexerLossConfig, student: tuple, q, compressed_kv, *, t
         noncompressed_lse=noncompressed_lse, full_lse=full_lse, segment_ids=segment_ids, positions=positions,
         kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, loss_mask=loss_mask, compress_ratio=cfg.compress_ratio,
         window_size=cfg.window_size, softmax_scale=cfg.softmax_scale, target=cfg.target, reduction=cfg.reduction,
-        scale=cfg.scale, head_chunk=cfg.head_chunk, implementation=cfg.implementation)
+        scale=cfg.scale, head_chunk=cfg.head_chunk, implementation=cfg.implementation,
+        config=dict(cfg.kernel_config) if isinstance(cfg.kernel_config, tuple) else cfg.kernel_config)
 
 
 # The keyword arrays of a module call (every one optional): the op's teacher arguments that are not config fields.
@@ -301,12 +312,13 @@ class CSAIndexerLoss(nnx.Module):
     def __init__(self, config=None, *, compress_ratio=_MISSING, window_size=_MISSING, target=_MISSING,
                  reduction=_MISSING, scale=_MISSING, head_chunk=_MISSING, softmax_scale=_MISSING,
                  sparse_training=_MISSING, implementation=_MISSING, mesh=_MISSING, batch_axes=_MISSING,
-                 head_axis=_MISSING, seq_axis=_MISSING, padding_segment_id=_MISSING):
+                 head_axis=_MISSING, seq_axis=_MISSING, padding_segment_id=_MISSING, kernel_config=_MISSING):
         explicit = {k: v for k, v in dict(
             compress_ratio=compress_ratio, window_size=window_size, target=target, reduction=reduction,
             scale=scale, head_chunk=head_chunk, softmax_scale=softmax_scale, sparse_training=sparse_training,
             implementation=implementation, mesh=mesh, batch_axes=batch_axes, head_axis=head_axis,
-            seq_axis=seq_axis, padding_segment_id=padding_segment_id).items() if v is not _MISSING}
+            seq_axis=seq_axis, padding_segment_id=padding_segment_id, kernel_config=kernel_config).items()
+            if v is not _MISSING}
         self.config = _resolve_config(config, explicit)
 
     @classmethod
@@ -358,6 +370,7 @@ class CSAIndexerLossLinen(nn.Module):
     head_axis: Optional[str] = None
     seq_axis: Optional[str] = None
     padding_segment_id: Optional[int] = None
+    kernel_config: Any = None
 
     def __post_init__(self):
         self.loss_config  # validate at construction, so a bad field raises here, naming it

@@ -115,15 +115,18 @@ def sharded_fused_indexer_distill_loss(
     index_head_chunk: Optional[int] = None,
     query_chunk: Optional[int] = None,
     student="auto",
+    config=None,
 ) -> jax.Array:
     """`csa_pallas.fused_indexer_distill_loss` with batch, attention heads and query sequence sharded over `mesh`.
 
     Args: the global arrays and arguments of `fused_indexer_distill_loss` plus `mesh`, `batch_axes`, `head_axis`
     and `seq_axis` as in `sharded_indexer_distill_loss`. query_chunk: query rows per step on each device (a divisor
-    of the per-device S; no head axis only). Returns the value of the unsharded op (f32 scalar, or [B, S] for
+    of the per-device S; no head axis only). config: the teacher kernels' variant on every device, as in
+    `sharded_indexer_distill_loss`. Returns the value of the unsharded op (f32 scalar, or [B, S] for
     reduction="none"), differentiable wrt index_q, index_k and index_weights (exact zeros for the teacher side).
     """
-    problem, axes = sharding._validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher)
+    problem, axes = sharding._validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher,
+                                               config)
     st = student_lib.validate_student(index_q, index_k, index_weights, batch=problem.batch, seq_len=problem.seq_len,
                                       num_blocks=problem.num_blocks, index_head_chunk=index_head_chunk)
     validation.check_reduction_args(reduction, scale)
@@ -136,7 +139,7 @@ def sharded_fused_indexer_distill_loss(
     if not sharding._uses_pallas(problem) or api.trivial_result(problem, reduction, scale) is not None:
         return api.fused_indexer_distill_loss(index_q, index_k, index_weights, q, compressed_kv, **teacher,
                                               reduction=reduction, scale=scale, index_head_chunk=index_head_chunk,
-                                              query_chunk=query_chunk, student=student)
+                                              query_chunk=query_chunk, student=student, config=config)
     if index_head_chunk is None:
         st = student_lib.Student(st.index_q, st.index_k, st.index_weights,
                                  student_plan.default_index_head_chunk(st.num_heads, problem.sparse))

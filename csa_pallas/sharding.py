@@ -227,10 +227,11 @@ def _local_problem(local: dict, problem: Problem, axes: MeshAxes, num_seq_shards
     id_args = _NO_IDS if ids is None else dict(
         segment_ids=ids["segment_ids"], positions=ids["positions"], kv_segment_ids=ids["kv_segment_ids"],
         kv_positions=ids["kv_positions"])
-    return validation.validate(
+    shard = validation.validate(
         local["q"], local["compressed_kv"], topk_indices=local.get("topk_indices"), loss_mask=local.get("loss_mask"),
         compress_ratio=problem.compress_ratio, window_size=problem.window_size, softmax_scale=problem.softmax_scale,
         target=problem.target, head_chunk=problem.head_chunk, implementation="pallas", **stats, **id_args)
+    return dataclasses.replace(shard, teacher_config=problem.teacher_config)  # the caller's config= on every shard
 
 
 def _kl_rows_problem(shard: Problem, axes: MeshAxes, num_head_shards: int) -> Problem:
@@ -299,9 +300,11 @@ def _shard_inputs(problem: Problem, axes: MeshAxes, indexer_logits=None):
     return arrays, specs
 
 
-def _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher: dict):
+def _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher: dict, config=None):
+    """(problem, axes); config: the teacher kernels' variant (`config=`), kept on the problem for every shard's."""
     placement.check_outside_shard_map(q)
-    problem = validation.validate(q, compressed_kv, **teacher)
+    problem = dataclasses.replace(validation.validate(q, compressed_kv, **teacher),
+                                  teacher_config=validation.freeze_config(config))
     axes = _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem)
     return problem, axes
 
@@ -326,6 +329,7 @@ def sharded_indexer_distill_loss(
     seq_axis: Optional[str] = None,
     reduction: str = "mean",
     scale=1.0,
+    config=None,
 ) -> jax.Array:
     """`csa_pallas.indexer_distill_loss` with batch, heads and query sequence sharded over `mesh`.
 
@@ -336,16 +340,19 @@ def sharded_indexer_distill_loss(
       head_axis: mesh axis sharding the H attention heads (tensor parallelism). head_chunk must divide H / size.
       seq_axis: mesh axis sharding the query sequence (context parallelism): S a multiple of its size, S_kv == S,
         shards contiguous and in order, each of >= W - 1 tokens when window_kv is given.
+      config: the teacher kernels' variant, as `indexer_distill_loss`'s, applied to every shard's problem (a forced
+        field that cannot run on a shard's rows is a ValueError naming it); with head_axis it takes the teacher's
+        head sums, and the KL of each device's owned rows runs its own default tiles.
     Returns the same value as the unsharded op (f32 scalar, or [B, S] for reduction="none"); differentiable wrt
     indexer_logits only, under jit and grad. Inside, the logits are split over rows by (seq_axis, head_axis); their
     gradient comes back sharded P(batch_axes, seq_axis, None), the layout of activations on this mesh.
     """
-    problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher)
+    problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher, config)
     validation.validate_logits(indexer_logits, problem)
     validation.check_reduction_args(reduction, scale)
     if not _uses_pallas(problem) or api.trivial_result(problem, reduction, scale) is not None:
         return api.indexer_distill_loss(indexer_logits, q, compressed_kv, **teacher, reduction=reduction,
-                                        scale=scale)
+                                        scale=scale, config=config)
     num_seq_shards, num_head_shards = _axis_size(mesh, seq_axis), _axis_size(mesh, head_axis)
     indexer_logits = _cotangent_sharded_like(indexer_logits, mesh, axes.row_vectors_spec())
     arrays, specs = _shard_inputs(problem, axes, indexer_logits)
@@ -374,12 +381,13 @@ def sharded_teacher_distribution(
     batch_axes: AxisNames = None,
     head_axis: Optional[str] = None,
     seq_axis: Optional[str] = None,
+    config=None,
 ) -> jax.Array:
-    """`csa_pallas.teacher_distribution` sharded like `sharded_indexer_distill_loss`: f32 [B, S, N] or [B, S, K],
-    sharded over batch and over rows by (seq_axis, head_axis)."""
-    problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher)
+    """`csa_pallas.teacher_distribution` sharded like `sharded_indexer_distill_loss` (config= as there): f32
+    [B, S, N] or [B, S, K], sharded over batch and over rows by (seq_axis, head_axis)."""
+    problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher, config)
     if not _uses_pallas(problem) or not (problem.batch and problem.seq_len and problem.num_blocks):
-        return api.teacher_distribution(q, compressed_kv, **teacher)
+        return api.teacher_distribution(q, compressed_kv, **teacher, config=config)
     num_seq_shards, num_head_shards = _axis_size(mesh, seq_axis), _axis_size(mesh, head_axis)
     arrays, specs = _shard_inputs(problem, axes)
     arrays = placement.reshard_for_shard_map(arrays, specs, mesh)

@@ -350,6 +350,22 @@ def test_implementation_and_config_are_passed_through(monkeypatch):
         lin = CSAIndexerLossLinen(compress_ratio=M, window_size=W, implementation=impl)
         lin.apply({}, logits, arrays["q"], arrays["compressed_kv"], mutable=["intermediates"], **kw)
         assert seen["implementation"] == impl
+    # kernel_config: the ops' config= (a dict kept hashable as its items, handed back as a dict; a TeacherConfig
+    # as itself), from the nnx and linen modules and from an IndexerLossConfig
+    from csa_pallas.kernels.teacher_config import TeacherConfig
+    forced = TeacherConfig(16, 128, 2, True, 32 << 20)
+    for given, passed in (({"path": "visit", "tile_list": True}, {"path": "visit", "tile_list": True}),
+                          (forced, forced), (None, None)):
+        for mod in (CSAIndexerLoss(compress_ratio=M, window_size=W, kernel_config=given),
+                    CSAIndexerLoss(IndexerLossConfig(compress_ratio=M, window_size=W, kernel_config=given))):
+            hash(mod.config)
+            nnx.capture(mod, nnx.Intermediate)(logits, arrays["q"], arrays["compressed_kv"], **kw)
+            assert seen["config"] == passed
+        CSAIndexerLossLinen(compress_ratio=M, window_size=W, kernel_config=given).apply(
+            {}, logits, arrays["q"], arrays["compressed_kv"], mutable=["intermediates"], **kw)
+        assert seen["config"] == passed
+    with pytest.raises(TypeError, match="^kernel_config: expected None, a TeacherConfig or a dict"):
+        IndexerLossConfig(kernel_config=["walk", "plain"])
 
 
 # ------------------------------------------------------------------------------------------------ errors

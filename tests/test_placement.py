@@ -200,21 +200,30 @@ def test_window_lse_op_partitions_itself(axis_type):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-6)
 
 
-def test_a_kernel_config_on_sharded_inputs_is_a_named_error():
-    """config= (a kernel variant) is not forwarded to the sharded path, by the plain op nor the fused one: a
-    ValueError naming config, traced before any kernel, instead of a variant silently dropped."""
+def test_a_kernel_config_on_sharded_inputs_reaches_the_sharded_path(monkeypatch):
+    """config= (a kernel variant) given with sharded inputs goes with them into the sharded path, for the plain op
+    and the fused one: the results equal the unsharded op's with the same config, and the shards' teacher layouts
+    hold the forced variant (until 2026-12-06 this was a ValueError naming config)."""
+    from csa_pallas import ops
     from student_cases import make_student_case
+    seen = []
+    real = ops.dense_layout
+    monkeypatch.setattr(ops, "dense_layout", lambda problem, *a, **k: seen.append(problem.teacher_config)
+                        or real(problem, *a, **k))
     mesh = make_mesh({"data": 2}, AxisType.Explicit)
     c, kw = make_student_case(31, batch=2, seq=32)
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", *([None] * (x.ndim - 1)))))
-    q, kv = put(c["q"]), put(c["compressed_kv"])
-    logits = put(jnp.zeros((2, 32, 8), jnp.float32))
-    calls = {"plain": lambda: csa_pallas.indexer_distill_loss(logits, q, kv, **kw, target="joint",
-                                                             config={"walk": "plain"}),
-             "fused": lambda: csa_pallas.fused_indexer_distill_loss(
-                 put(c["index_q"]), put(c["index_k"]), put(c["index_weights"]), q, kv, **kw, target="joint",
-                 config={"walk": "plain"})}
-    for call in calls.values():
-        with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"^config: kernel variants are not forwarded to "
-                                                                 r"the sharded path"):
-            jax.eval_shape(call)
+    logits = jnp.asarray(np.random.default_rng(3).standard_normal((2, 32, 8)), jnp.float32)
+    config = {"cache_scores": False}
+    plain = lambda x, q, kv, iq, ik, iw: csa_pallas.indexer_distill_loss(x, q, kv, **kw, target="joint",
+                                                                         config=config)
+    fused = lambda x, q, kv, iq, ik, iw: csa_pallas.fused_indexer_distill_loss(iq, ik, iw, q, kv, **kw,
+                                                                                target="joint", config=config)
+    args = (logits, c["q"], c["compressed_kv"], c["index_q"], c["index_k"], c["index_weights"])
+    for call in (plain, fused):
+        want = call(*args)
+        seen.clear()
+        with jax.set_mesh(mesh):
+            got = jax.jit(call)(*map(put, args))
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+        assert seen and all(dict(cfg or ()) == config for cfg in seen), seen

@@ -116,6 +116,49 @@ def test_sharded_equals_unsharded(axes, sparse, target, packed, stats):
                  reference_results(logits, arrays, teacher))
 
 
+CONFIG_CASES = {  # mesh axes, sparse, the forced variant, what every teacher layout then holds
+    "dense_uncached": ({"data": 2, "seq": 4}, False, {"cache_scores": False}, lambda lay: not lay.cfg.cache_scores),
+    "sparse_gather": ({"data": 2, "seq": 4}, True, {"path": "gather", "unroll_slots": False},
+                      lambda lay: lay.path == "gather" and not lay.cfg.unroll_slots),
+    "sparse_tile_lists_head_sharded": ({"data": 2, "heads": 4}, True, {"path": "visit", "tile_list": True},
+                                       lambda lay: lay.path == "visit" and lay.cfg.tile_list),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_CASES))
+def test_a_kernel_config_reaches_every_shard(name, monkeypatch):
+    """config= (the teacher kernels' variant) runs on every device: the sharded loss, its gradient and the sharded
+    target equal the unsharded reference, and every layout made for a shard's teacher holds the forced variant
+    (with a head axis the owned rows' KL takes its own default tiles: its layouts carry no config)."""
+    from csa_pallas import ops, ops_sparse
+    axes, sparse, config, holds = CONFIG_CASES[name]
+    seen = []
+    for module, attr in ((ops, "dense_layout"), (ops_sparse, "sparse_layout")):
+        def spy(problem, *a, _real=getattr(module, attr), **k):
+            layout = _real(problem, *a, **k)
+            seen.append((problem.teacher_config is not None, layout))
+            return layout
+        monkeypatch.setattr(module, attr, spy)
+    logits, arrays, teacher = inputs(11 + sparse, sparse=sparse, target="joint", packed=True)
+    mesh = mesh_of(axes)
+    assert_close(sharded_results(mesh, axes, logits, arrays, teacher, config=config),
+                 reference_results(logits, arrays, teacher))
+    forced = [layout for has_config, layout in seen if has_config]
+    assert forced and all(holds(layout) for layout in forced), seen
+
+
+def test_a_kernel_config_the_sharded_path_cannot_take_is_a_named_error():
+    """A config for the XLA path, or of the wrong type, raises before anything is traced per shard."""
+    logits, arrays, teacher = inputs(5, sparse=False, target="joint", packed=False)
+    mesh = mesh_of({"data": 2, "seq": 4})
+    call = lambda **kw: sharding.sharded_indexer_distill_loss(mesh, logits, arrays["q"], arrays["compressed_kv"],
+                                                              **axis_kwargs({"data": 2, "seq": 4}), **teacher, **kw)
+    with pytest.raises(ValueError, match="^config: "):
+        call(implementation="xla", config={"walk": "plain"})
+    with pytest.raises(TypeError, match="^config: expected None, a TeacherConfig or a dict"):
+        call(config=["walk", "plain"])
+
+
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean_all"])
 def test_reductions_are_global(reduction):
     axes = {"data": 2, "heads": 2, "seq": 2}
