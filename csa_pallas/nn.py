@@ -133,8 +133,7 @@ class IndexerLossConfig:
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass: canonicalise in place
         try:  # hashable: a dict is kept as its sorted items (which dataclasses.replace hands back)
-            kernel = self.kernel_config
-            set_("kernel_config", validation.freeze_config(dict(kernel) if isinstance(kernel, tuple) else kernel))
+            set_("kernel_config", validation.freeze_config(validation.thaw_config(self.kernel_config)))
         except (TypeError, ValueError):
             raise TypeError(f"kernel_config: expected None, a TeacherConfig or a dict of its fields, got "
                             f"{type(self.kernel_config).__name__}") from None
@@ -264,7 +263,7 @@ def _compute_loss(cfg: IndexerLossConfig, student: tuple, q, compressed_kv, *, t
         kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, loss_mask=loss_mask, compress_ratio=cfg.compress_ratio,
         window_size=cfg.window_size, softmax_scale=cfg.softmax_scale, target=cfg.target, reduction=cfg.reduction,
         scale=cfg.scale, head_chunk=cfg.head_chunk, implementation=cfg.implementation,
-        config=dict(cfg.kernel_config) if isinstance(cfg.kernel_config, tuple) else cfg.kernel_config)
+        config=validation.thaw_config(cfg.kernel_config))
 
 
 # The keyword arrays of a module call (every one optional): the op's teacher arguments that are not config fields.

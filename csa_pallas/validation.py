@@ -67,7 +67,7 @@ class Problem:
     @property
     def layout_config(self):
         """`teacher_config` as the layouts take it: a TeacherConfig, a dict of overrides, or None."""
-        return dict(self.teacher_config) if isinstance(self.teacher_config, tuple) else self.teacher_config
+        return thaw_config(self.teacher_config)
 
     @property
     def one_document_prefix(self) -> bool:
@@ -117,6 +117,11 @@ def freeze_config(config):
         raise TypeError(f"config: expected None, a TeacherConfig or a dict of its fields, got "
                         f"{type(config).__name__}")
     return tuple(sorted(config.items()))
+
+
+def thaw_config(config):
+    """`freeze_config`'s result as the ops' config= takes it: a TeacherConfig, a dict of overrides, or None."""
+    return dict(config) if isinstance(config, tuple) else config
 
 
 def _shape(x) -> tuple:
