@@ -266,11 +266,11 @@ class TeacherStep:
             self.add_probs(z, tile_k, self.f_ref[...][..., :self.lanes])
 
         count = schedule.count(self.counts_ref, at.b, self.out_qi)
-        first_tile = schedule.first(self.firsts_ref, at.b, self.out_qi)
         if schedule.listed:  # the i-th cached tile is the i-th of the list
             tile_of = lambda i: schedule.tile(self.firsts_ref, self.counts_ref, at.b, self.out_qi, i)
             last_tile = tile_of(count - 1)
         else:  # a range (the causal prefix: first_tile 0)
+            first_tile = schedule.first(self.firsts_ref, at.b, self.out_qi)
             tile_of = lambda i: first_tile + i
             last_tile = first_tile + count - 1
         widths = [bk] if chunk == bk else list(range(chunk, bk + 1, chunk))
