@@ -1,7 +1,7 @@
 """The teacher kernel's body (`teacher.py` launches it) as named phases over one grid step.
 
-`TeacherStep` holds the step's refs (unpacked once, in the order `teacher.teacher_pallas` passes them), the decoded
-walk position (`schedule.kernel_view`) and the static variant; `kernel` runs its phases in order:
+`TeacherStep` holds the step's refs (named once by `teacher_refs`, in the order `teacher.teacher_pallas` passes
+them), the decoded walk position (`schedule.kernel_view`) and the static variant; `kernel` runs its phases in order:
 
   init            zero the resident output block and the running row max; gather the head-major rows and prepare
                   the selection on the first step of a query tile
@@ -17,6 +17,7 @@ Tiles are visited through `visit_tile` (full tiles unmasked, the causal diagonal
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from csa_pallas.kernels import common, fused_kl, rebase, selection
+from csa_pallas.kernels import common, fused_kl, rebase, selection, teacher_refs
 from csa_pallas.kernels import schedule as schedule_lib
 
 LOG2E = common.LOG2E
@@ -41,7 +42,11 @@ class TeacherStep:
         self.schedule = schedule = walk.schedule
         self.cache_scores = walk.cached_pass2
         self.pairs = walk.paired
-        self._unpack(list(refs))
+        # The refs by name (`teacher_refs`: the launch's order), as attributes of the step.
+        named = teacher_refs.unpack(refs, mode=mode, kl=kl, sel=sel, normalize=normalize,
+                                    token_major=layout.token_major, cached=self.cache_scores,
+                                    causal=schedule.causal, nh=nh)
+        vars(self).update({f.name: getattr(named, f.name) for f in dataclasses.fields(named)})
         self.bq, self.bk, self.hc = layout.block_q, schedule.block_k, layout.head_chunk
         self.lanes = min(common.LANES, self.bk)
 
@@ -61,37 +66,6 @@ class TeacherStep:
                                             self.vbits_ref, self.vbitsq_ref, self.weight_ref, self.idx_t_ref, b=at.b,
                                             qi=self.qi, tile=self.tile, nq=schedule.nq, block_q=self.bq,
                                             block_k=self.bk)
-
-    def _unpack(self, refs):
-        mode, kl, sel, normalize = self.mode, self.kl, self.sel, self.normalize
-        self.firsts_ref, self.counts_ref = refs.pop(0), refs.pop(0)
-        self.tables_ref = refs.pop(0) if sel is not None else None  # `selection.tile_tables`
-        self.q_ref, self.kv_ref, self.qmeta_ref, self.kmeta_ref = refs.pop(0), refs.pop(0), refs.pop(0), refs.pop(0)
-        self.idx_ref = self.idxq_ref = self.bits_ref = self.vbits_ref = self.vbitsq_ref = None
-        if sel is not None:  # top-k indices and slot bits of the output tile and of the pass-1 tile; its block bits
-            self.idx_ref, self.idxq_ref, self.vbits_ref, self.vbitsq_ref, self.bits_ref = [refs.pop(0)
-                                                                                           for _ in range(5)]
-        self.lse_ref = self.shift_ref = None
-        if mode != "per_head":
-            self.lse_ref, self.shift_ref = refs.pop(0), refs.pop(0)  # (u or F) - sigma and sigma, see `rebase`
-        self.rowmax_ref = self.logits_ref = self.stats_ref = self.grad_ref = None
-        if kl is None:
-            self.krow_ref = refs.pop(0) if normalize else None  # the whole row of key metadata: V(t) at the end
-            self.out_ref = refs.pop(0)  # the head sum accumulates in the resident output block
-            if not normalize:
-                self.rowmax_ref = refs.pop(0)  # the rows' M (base 2): shards of the heads combine their sums with it
-        else:
-            self.logits_ref, self.krow_ref, self.stats_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-            self.grad_ref = refs.pop(0) if kl.emit_gradient else None
-        self.m_ref, self.l_ref, self.f_ref, *extra = refs
-        self.rows_ref = None if self.layout.token_major else extra.pop(0)
-        self.cache_ref = extra.pop(0) if self.cache_scores else None
-        if kl is not None:
-            self.out_ref = extra.pop(0)  # f32 head-sum accumulator [bq, N_p] in scratch: outputs are KL stats, dI
-        self.seen_ref = None if (self.schedule.causal or sel is not None) else extra.pop(0)  # [bq, 1]: saw a block
-        self.top_ref = extra.pop(0) if (self.nh > 1 or self.rowmax_ref is not None) else None  # running M [bq, 128]
-        self.weight_ref = extra.pop(0) if sel is not None else None  # [bq, bk] exact slot weights (duplicates)
-        self.idx_t_ref = extra.pop(0) if sel is not None and sel.fold else None  # transposed indices for them
 
     # ------------------------------------------------------------------------------------------ helpers
 
