@@ -3,7 +3,8 @@
 MaxText's AOT flow compiles for a TPU topology on a CPU host with a plain `jax.jit(f).lower(<structs on TPU
 devices>).compile()`. That must give real Mosaic kernels (not the CPU interpreter) with no csa_pallas context, and
 the same jitted function must still interpret on CPU, whichever of the two is lowered first (jit caches one
-jaxpr for both: `kernels.runtime.pallas_call` stages both modes with `lax.platform_dependent`).
+jaxpr for both: `kernels.runtime.pallas_call` stages both modes with `lax.platform_dependent`, tracing the kernel
+once).
 """
 
 import re
@@ -108,3 +109,26 @@ def test_pinned_modes_still_pin():
     with runtime.compiling_for_tpu():
         assert runtime.interpret_mode() is False
     assert runtime.interpret_mode() is runtime.FOLLOW_PLATFORM
+
+
+def test_a_kernel_body_is_traced_once_for_both_platforms():
+    """Staging both modes traces the kernel once: the interpreted branch is the compiled call's jaxpr with
+    `interpret` set. The one trace then runs on CPU (the interpreter) and compiles for v5p (Mosaic)."""
+    require_libtpu()
+    traced = []
+
+    def double(x_ref, o_ref):
+        traced.append(1)
+        o_ref[...] = x_ref[...] * 2.0
+
+    def program(x):
+        return runtime.pallas_call(double, interpret=runtime.interpret_mode(),
+                                   out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    jitted = jax.jit(program)
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    np.testing.assert_array_equal(np.asarray(jitted(x)), np.asarray(x) * 2.0)
+    assert len(traced) == 1
+    structs = _on_one_chip(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    assert MOSAIC_CALL in jitted.lower(*structs).compile().as_text()
+    assert len(traced) == 2  # jit traces again for the chip-placed inputs: once, again
