@@ -72,9 +72,12 @@ def _canonical(jaxpr, depth: int = 0) -> list:
 
 
 def _kernel_texts(jaxpr) -> list:
-    """The canonical kernel body and grid of every pallas_call in `jaxpr`, in program order."""
+    """The canonical kernel body and grid of every compiled (Mosaic) pallas_call in `jaxpr`, in program order: the
+    interpreted branch of each call (`runtime.pallas_call`) is the same body with its loops rolled."""
     out = []
     for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and eqn.params["interpret"] is not False:
+            continue
         if eqn.primitive.name == "pallas_call":
             out.append(f"{eqn.params['name']}\n" + "\n".join(_canonical(eqn.params["jaxpr"]))
                        + f"\n{eqn.params['grid_mapping'].grid}")

@@ -7,12 +7,15 @@ jaxpr for both: `kernels.runtime.pallas_call` stages both modes with `lax.platfo
 once).
 """
 
+import contextlib
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax.sharding import NamedSharding, PartitionSpec
 
 import csa_pallas
@@ -132,3 +135,62 @@ def test_a_kernel_body_is_traced_once_for_both_platforms():
     structs = _on_one_chip(jax.ShapeDtypeStruct(x.shape, x.dtype))
     assert MOSAIC_CALL in jitted.lower(*structs).compile().as_text()
     assert len(traced) == 2  # jit traces again for the chip-placed inputs: once, again
+
+
+def _scan_unrolls(jaxpr, out):
+    """The `unroll` of every scan in `jaxpr` (nested included)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            out.append(eqn.params["unroll"])
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    _scan_unrolls(getattr(sub, "jaxpr", sub), out)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["follow_platform", "pinned_race_checking"])
+def test_interpreted_kernels_keep_their_unrolled_loops_rolled(mode):
+    """A `fori_loop(..., unroll=True)` in a kernel (how the gather kernels write their per-slot loads, which Mosaic
+    must see straight-line) stays unrolled in the compiled kernel and runs as a loop in the interpreted one
+    (`runtime.rolled`: unrolling is code generation only); both give the same result, and the compiled one
+    compiles for v5p."""
+    require_libtpu()
+    from jax.experimental.pallas import tpu as pltpu
+
+    def running_sums(x_ref, o_ref):
+        def add_row(i, acc):
+            acc = acc + x_ref[pl.ds(i, 1), :]
+            o_ref[pl.ds(i, 1), :] = acc
+            return acc
+        jax.lax.fori_loop(0, 16, add_row, jnp.zeros((1, 128), jnp.float32), unroll=True)
+
+    def program(x):
+        return runtime.pallas_call(running_sums, interpret=runtime.interpret_mode(),
+                                   out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 128)), jnp.float32)
+    params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise")
+    with runtime.interpret_override(params) if mode == "pinned_race_checking" else contextlib.nullcontext():
+        jaxpr = jax.make_jaxpr(program)(x).jaxpr
+        got = jax.jit(program)(x)
+    np.testing.assert_allclose(np.asarray(got), np.cumsum(np.asarray(x), axis=0), rtol=1e-6, atol=1e-6)
+    calls = [eqn for eqn in _walk(jaxpr) if eqn.primitive.name == "pallas_call"]
+    unrolls = {"compiled" if eqn.params["interpret"] is False else "interpreted": _scan_unrolls(eqn.params["jaxpr"], [])
+               for eqn in calls}
+    assert unrolls["interpreted"] == [1]  # a loop
+    if mode == "follow_platform":
+        assert unrolls["compiled"] == [16]  # staged beside it: unrolled
+        structs = _on_one_chip(jax.ShapeDtypeStruct(x.shape, x.dtype))
+        assert MOSAIC_CALL in jax.jit(program).lower(*structs).compile().as_text()
+    else:
+        assert "compiled" not in unrolls  # pinned: the interpreter only
+
+
+def _walk(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    yield from _walk(getattr(sub, "jaxpr", sub))

@@ -6,7 +6,9 @@ function (and the jaxpr jit caches) compiles real Mosaic kernels for a TPU topol
 AOT `train_compile` flow: `jax.jit(f).lower(<structs on TPU devices>).compile()`) and interprets on CPU, in either
 order, with no context needed. Only the branch of the lowering platform is lowered, so the compiled TPU program
 holds no interpreter code and the CPU program no Mosaic call. The kernel body is traced once: the interpreted
-branch is the compiled call's jaxpr with `interpret` set (tracing it twice made tracing a program ~2x slower).
+branch is the compiled call's jaxpr with `interpret` set (tracing it twice made tracing a program ~2x slower) and
+its unrolled loops rolled (`rolled`: a loop Mosaic must see straight-line is written `fori_loop(..., unroll=True)`,
+which the interpreter would otherwise discharge, lower and compile once per iteration).
 
 `interpret_override(...)` pins the mode of the calls traced inside it (tests use it for
 `pltpu.InterpretParams(detect_races=True, ...)`); `compiling_for_tpu()` pins compiled kernels (kept for callers
@@ -58,9 +60,9 @@ def interpret_mode():
 def pallas_call(kernel, *, interpret, **kwargs) -> Callable:
     """`pl.pallas_call(kernel, **kwargs)` in the given mode; FOLLOW_PLATFORM stages both modes and lets lowering
     pick: Mosaic for TPU, the interpreter for every other platform."""
-    if interpret is not FOLLOW_PLATFORM:
-        return pl.pallas_call(kernel, interpret=interpret, **kwargs)
     compiled = pl.pallas_call(kernel, interpret=False, **kwargs)
+    if interpret is False:
+        return compiled
 
     def call(*args):
         # The kernel is traced once (the compiled call's jaxpr); the interpreted branch is the same jaxpr with
@@ -68,15 +70,43 @@ def pallas_call(kernel, *, interpret, **kwargs) -> Callable:
         closed, out_shapes = jax.make_jaxpr(compiled, return_shape=True)(*args)
         out_tree = jax.tree.structure(out_shapes)
         as_fun = lambda jaxpr: lambda *a: jax.tree.unflatten(out_tree, jex_core.jaxpr_as_fun(jaxpr)(*a))
+        if interpret is not FOLLOW_PLATFORM:  # pinned: the interpreter (True or `pltpu.InterpretParams`)
+            return as_fun(_with_interpret(closed, interpret))(*args)
         return jax.lax.platform_dependent(*args, tpu=as_fun(closed), default=as_fun(_with_interpret(closed)))
     return call
 
 
-def _with_interpret(closed):
+def _with_interpret(closed, interpret=True):
     """`closed` (a ClosedJaxpr of one kernel call) with its pallas_call's `interpret` set (re-bound on evaluation,
-    so the interpreter's effects and lowering follow from the new parameter)."""
-    eqns = [eqn.replace(params={**eqn.params, "interpret": True}) if eqn.primitive.name == "pallas_call" else eqn
-            for eqn in closed.jaxpr.eqns]
+    so the interpreter's effects and lowering follow from the new parameter) and its kernel's loops rolled."""
+    eqns = [eqn.replace(params={**eqn.params, "interpret": interpret, "jaxpr": rolled(eqn.params["jaxpr"])})
+            if eqn.primitive.name == "pallas_call" else eqn for eqn in closed.jaxpr.eqns]
     if not any(eqn.primitive.name == "pallas_call" for eqn in eqns):  # e.g. a jax that stops inlining the call
         raise AssertionError("runtime.pallas_call: no pallas_call at the top of the traced kernel call")
     return closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns))
+
+
+def rolled(jaxpr):
+    """`jaxpr` (a Jaxpr or ClosedJaxpr, nested ones included) with every scan's `unroll` set to 1.
+
+    Why: kernels write the loops Mosaic must see straight-line (static SMEM offsets, e.g. a chunk's 128 slots) as
+    `fori_loop(..., unroll=True)`, which Mosaic unrolls with the index as a constant. The interpreter would unroll
+    them too: every copy discharged, lowered and compiled by XLA:CPU. Unrolling is code generation only (a scan's
+    result does not depend on it), so the interpreted kernel keeps them as loops."""
+    if isinstance(jaxpr, jex_core.ClosedJaxpr):
+        return jaxpr.replace(jaxpr=rolled(jaxpr.jaxpr))
+    if not isinstance(jaxpr, jex_core.Jaxpr):
+        return jaxpr
+    eqns = []
+    for eqn in jaxpr.eqns:
+        params = {name: _rolled_param(value) for name, value in eqn.params.items()}
+        if eqn.primitive.name == "scan":
+            params["unroll"] = 1
+        eqns.append(eqn.replace(params=params))
+    return jaxpr.replace(eqns=eqns)
+
+
+def _rolled_param(value):
+    if isinstance(value, (tuple, list)) and any(isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)) for v in value):
+        return type(value)(rolled(v) for v in value)
+    return rolled(value)

@@ -47,12 +47,12 @@ LANES = common.LANES
 class GatherConfig:
     """block_q: queries per grid step (a multiple of 8). vmem_limit_bytes: Mosaic's scoped-VMEM limit.
     unroll_slots: the 128 slots of a chunk as straight-line code with static SMEM offsets and staging rows (~2
-    bundles per row on v5p; the default), or a loop over them (~3.5; a much smaller program, e.g. for the CPU
-    interpreter). q_in_place: how a query chunk of `fused_indexer_distill_loss` (`Problem.q_window`) reaches the
-    kernel: its q rows read where they lie in the whole q through a scalar-prefetched tile offset (a `RowWindow`;
-    no [B, chunk, H, D] copy), or a per-chunk copy (False); None: in place wherever it applies (q in the compute
-    dtype, chunks of whole query tiles of both TensorCores); True where it cannot apply: a ValueError naming the
-    field (`ops_sparse.in_place_rows`)."""
+    bundles per row on v5p; the default), or a loop over them (~3.5; a much smaller program); the interpreter
+    runs either as a loop (`runtime.rolled`). q_in_place: how a query chunk of `fused_indexer_distill_loss`
+    (`Problem.q_window`) reaches the kernel: its q rows read where they lie in the whole q through a
+    scalar-prefetched tile offset (a `RowWindow`; no [B, chunk, H, D] copy), or a per-chunk copy (False); None: in
+    place wherever it applies (q in the compute dtype, chunks of whole query tiles of both TensorCores); True where
+    it cannot apply: a ValueError naming the field (`ops_sparse.in_place_rows`)."""
 
     block_q: int
     vmem_limit_bytes: int
@@ -206,25 +206,20 @@ def _kernel(idx_smem, q_ref, kv_hbm, vbits_ref, *refs, mode, scale, width_p, blo
     def _():
         _pack_resident(kv_hbm, kv_ref, pack_stage_ref, pack_sems, batch, bf16=bf16)
 
-    # Gather the chunk's 128 slots of every query; the resident row is index & (R - 1). Unrolled: static SMEM
-    # offsets and staging rows (no address arithmetic but the chunk's base).
+    # Gather the chunk's 128 slots of every query; the resident row is index & (R - 1). unroll_slots: Mosaic
+    # unrolls the loop with the slot a constant in each copy, so SMEM offsets and staging rows are static (no
+    # address arithmetic but the chunk's base); the interpreter runs it as a loop (`runtime.rolled`).
     base = chunk * (LANES // 8)
 
-    def gather(t, j, tile, sublane):
-        row = idx_smem[t, j] & (rows - 1)
-        for p in range(planes):
-            stage_ref[t, p, base + tile, pl.ds(sublane, 1), :] = kv_ref[p, pl.ds(row, 1), :]
-
     for t in range(block_q):
-        if unroll_slots:
-            for j in range(LANES):
-                gather(t, j, j // 8, j % 8)
-        else:
-            def body(j, carry, t=t):
-                gather(t, j, lax.shift_right_logical(j, 3), j & 7)
-                return carry
+        def gather(j, carry, t=t):
+            row = idx_smem[t, j] & (rows - 1)
+            tile, sublane = base + lax.shift_right_logical(j, 3), pl.ds(j & 7, 1)
+            for p in range(planes):
+                stage_ref[t, p, tile, sublane, :] = kv_ref[p, pl.ds(row, 1), :]
+            return carry
 
-            lax.fori_loop(0, LANES, body, 0)
+        lax.fori_loop(0, LANES, gather, 0, unroll=unroll_slots)
 
     @pl.when(last_chunk)
     def _():
