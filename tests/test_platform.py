@@ -137,18 +137,6 @@ def test_a_kernel_body_is_traced_once_for_both_platforms():
     assert len(traced) == 2  # jit traces again for the chip-placed inputs: once, again
 
 
-def _scan_unrolls(jaxpr, out):
-    """The `unroll` of every scan in `jaxpr` (nested included)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            out.append(eqn.params["unroll"])
-        for value in eqn.params.values():
-            for sub in (value if isinstance(value, (tuple, list)) else (value,)):
-                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-                    _scan_unrolls(getattr(sub, "jaxpr", sub), out)
-    return out
-
-
 @pytest.mark.parametrize("mode", ["follow_platform", "pinned_race_checking"])
 def test_interpreted_kernels_keep_their_unrolled_loops_rolled(mode):
     """A `fori_loop(..., unroll=True)` in a kernel (how the gather kernels write their per-slot loads, which Mosaic
@@ -176,8 +164,9 @@ def test_interpreted_kernels_keep_their_unrolled_loops_rolled(mode):
         got = jax.jit(program)(x)
     np.testing.assert_allclose(np.asarray(got), np.cumsum(np.asarray(x), axis=0), rtol=1e-6, atol=1e-6)
     calls = [eqn for eqn in _walk(jaxpr) if eqn.primitive.name == "pallas_call"]
-    unrolls = {"compiled" if eqn.params["interpret"] is False else "interpreted": _scan_unrolls(eqn.params["jaxpr"], [])
-               for eqn in calls}
+    unrolls = {"compiled" if call.params["interpret"] is False else "interpreted":
+               [eqn.params["unroll"] for eqn in _walk(call.params["jaxpr"]) if eqn.primitive.name == "scan"]
+               for call in calls}
     assert unrolls["interpreted"] == [1]  # a loop
     if mode == "follow_platform":
         assert unrolls["compiled"] == [16]  # staged beside it: unrolled
@@ -188,6 +177,7 @@ def test_interpreted_kernels_keep_their_unrolled_loops_rolled(mode):
 
 
 def _walk(jaxpr):
+    """Every equation of `jaxpr`, nested jaxprs' included, in program order."""
     for eqn in jaxpr.eqns:
         yield eqn
         for value in eqn.params.values():
