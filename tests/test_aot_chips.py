@@ -2,10 +2,11 @@
 'tpu7x:2x2x1', one device per TensorCore), through libtpu's real compilers on a CPU host, as the v5p tests do.
 
 The kernels' configurations come from the v5p heuristics (`kernels.teacher_config.CHIPS` has one entry; the
-estimates are v5p's): these compiles check that Mosaic for the newer chips accepts every kernel family with them
-(dense teacher with the fused KL and the window LSE; the sparse visit path's selection kernels; the sparse gather
-teacher; the fused student's tiled and gather kernels) and that no program keeps a scores-sized array, within the
-bounds of the v5p tests. Shapes: DeepSeek-V4-Flash (B=1, H=64, D=512, m=4, W=128, bf16; K=512; indexer H_I=64,
+estimates are v5p's): these compiles check that Mosaic for the newer chips accepts, with them, the kernels the
+long-context defaults run (the dense teacher with the fused KL; the window LSE; the sparse visit path's block and
+slot bits and its teacher; the sparse gather teacher; the fused student's tiled kernels and its one gather kernel)
+and that no program keeps a scores-sized array, within the bounds of the v5p tests. The other variants compile for
+v5p (`test_variants.py`, the other test_aot_* files). Shapes: DeepSeek-V4-Flash (B=1, H=64, D=512, m=4, W=128, bf16; K=512; indexer H_I=64,
 d_I=128), forward + backward.
 """
 
@@ -32,7 +33,7 @@ def _structs(*shapes_and_dtypes):
     return [aot.struct(shape, dtype) for shape, dtype in shapes_and_dtypes]
 
 
-def _loss_program(sparse: bool, target: str):
+def _loss_program(target: str):
     def program(logits, q, kv, window_kv, sinks, topk=None):
         extra = dict(window_kv=window_kv, sinks=sinks, window_size=W) if target == "joint" else {}
         loss = lambda x: csa_pallas.indexer_distill_loss(  # noqa: E731
@@ -75,7 +76,7 @@ CASES = {
                               66 * MiB),
     "fused_sparse_joint_32k": (_fused_program("joint", "auto"), _fused_inputs(32768, True),
                                ("csa_sparse_gather", "csa_window_lse", "csa_student_gather_kl_grads"), 66 * MiB),
-    "sparse_16k_visit": (_loss_program(True, "per_head"), _loss_inputs(16384, True),
+    "sparse_16k_visit": (_loss_program("per_head"), _loss_inputs(16384, True),
                          ("csa_block_bits", "csa_sparse_teacher"), 1.25 * 16384 * K * 4 + 64 * MiB),
 }
 
