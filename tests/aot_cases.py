@@ -1,10 +1,13 @@
-"""Shared by the v5p AOT tests: libtpu is required (a missing libtpu fails them, it does not skip them)."""
+"""Shared by the AOT tests: libtpu is required (a missing libtpu fails them, it does not skip them); the sparse
+loss program and its input structs (test_aot_sparse.py, test_aot_chips.py)."""
 
 import os
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from csa_pallas import aot
+from csa_pallas import aot, ops_sparse, validation
 
 
 def require_libtpu():
@@ -12,3 +15,24 @@ def require_libtpu():
         if os.environ.get("CSA_PALLAS_ALLOW_NO_LIBTPU") == "1":
             pytest.skip("libtpu not installed and CSA_PALLAS_ALLOW_NO_LIBTPU=1")
         pytest.fail("libtpu is required for the v5p AOT tests: pip install 'jax[tpu]==0.10.2'")
+
+
+def sparse_program(target, head_chunk=None, *, window=128, ratio=4, cfg=None, expect_path=None):
+    def program(logits, q, compressed_kv, topk, window_kv, sinks):
+        def loss(x):
+            kwargs = dict(window_kv=window_kv, sinks=sinks) if target == "joint" else {}
+            problem = validation.validate(q, compressed_kv, topk_indices=topk, target=target, window_size=window,
+                                          compress_ratio=ratio, head_chunk=head_chunk, implementation="pallas",
+                                          **kwargs)
+            if expect_path is not None:
+                assert ops_sparse.sparse_layout(problem, cfg).path == expect_path
+            return ops_sparse.indexer_distill_loss(x, problem, cfg=cfg)
+        return jax.value_and_grad(loss)(logits)
+    return program
+
+
+def sparse_input_structs(seq, *, width=512, batch=1, heads=64, head_dim=512, ratio=4, dtype=jnp.bfloat16):
+    n = seq // ratio
+    return (aot.struct((batch, seq, width), jnp.float32), aot.struct((batch, seq, heads, head_dim), dtype),
+            aot.struct((batch, n, head_dim), dtype), aot.struct((batch, seq, width), jnp.int32),
+            aot.struct((batch, seq, head_dim), dtype), aot.struct((heads,), jnp.float32))

@@ -16,8 +16,9 @@ settings.load_profile("ci")
 # Markers, from where a test lives (pytest.ini declares them): CI runs everything; a quick local run deselects,
 # e.g. `python -m pytest -q -m "not v5p_compile"`. test_aot_chips.py compiles for the chips after v5p (v6e, TPU7x):
 # marked with the v5p compiles, since what makes them slow, libtpu's compilers, is the same.
-V5P_COMPILE_FILES = {"test_aot.py", "test_aot_chips.py", "test_aot_kernels.py", "test_aot_sparse.py", "test_aot_sharding.py",
-                     "test_aot_placement.py", "test_aot_student.py", "test_platform.py", "test_demo.py"}
+V5P_COMPILE_FILES = {"test_aot.py", "test_aot_chips.py", "test_aot_kernels.py", "test_aot_sparse.py",
+                     "test_aot_sharding.py", "test_aot_placement.py", "test_aot_student.py", "test_platform.py",
+                     "test_demo.py"}
 SHARDED_FILES = {"test_sharding.py", "test_placement.py", "test_aot_sharding.py", "test_aot_placement.py",
                  "test_sharded_student.py"}
 

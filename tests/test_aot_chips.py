@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import csa_pallas
-from aot_cases import require_libtpu
+from aot_cases import require_libtpu, sparse_input_structs, sparse_program
 from csa_pallas import aot
 from csa_pallas.kernels import student_scores
 
@@ -31,23 +31,6 @@ LIGHT_TILES = student_scores.StudentKernelConfig(block_q=128, block_k=256)
 
 def _structs(*shapes_and_dtypes):
     return [aot.struct(shape, dtype) for shape, dtype in shapes_and_dtypes]
-
-
-def _loss_program(target: str):
-    def program(logits, q, kv, window_kv, sinks, topk=None):
-        extra = dict(window_kv=window_kv, sinks=sinks, window_size=W) if target == "joint" else {}
-        loss = lambda x: csa_pallas.indexer_distill_loss(  # noqa: E731
-            x, q, kv, topk_indices=topk, target=target, implementation="pallas", **extra)
-        return jax.value_and_grad(loss)(logits)
-    return program
-
-
-def _loss_inputs(seq: int, sparse: bool):
-    n = seq // 4
-    bf16, f32 = jnp.bfloat16, jnp.float32
-    structs = _structs(((B, seq, K if sparse else n), f32), ((B, seq, H, D), bf16), ((B, n, D), bf16),
-                       ((B, seq, D), bf16), ((H,), f32))
-    return structs + (_structs(((B, seq, K), jnp.int32)) if sparse else [])
 
 
 def _fused_program(target: str, student):
@@ -69,14 +52,15 @@ def _fused_inputs(seq: int, sparse: bool):
 # (program, inputs, kernels that must be in it, temp bound in bytes). The fused op holds the loss's kernels and the
 # student's: dense, the joint teacher with the fused KL, the window LSE and the tiled student kernels; sparse at 32K,
 # the gather teacher and the one student gather kernel. The bounds: the fused op's 64 MiB + the row statistics
-# (test_aot_student.py); the sparse loss's 1.25 x one f32 [B, S, K] + 64 MiB (test_aot_sparse.py).
+# (test_aot_student.py); the sparse loss's 1.25 x one f32 [B, S, K] + 64 MiB (test_aot_sparse.py, whose program
+# this is).
 CASES = {
     "fused_dense_joint_32k": (_fused_program("joint", LIGHT_TILES), _fused_inputs(32768, False),
                               ("csa_teacher_joint", "csa_window_lse", "csa_student_scores", "csa_student_grads"),
                               66 * MiB),
     "fused_sparse_joint_32k": (_fused_program("joint", "auto"), _fused_inputs(32768, True),
                                ("csa_sparse_gather", "csa_window_lse", "csa_student_gather_kl_grads"), 66 * MiB),
-    "sparse_16k_visit": (_loss_program("per_head"), _loss_inputs(16384, True),
+    "sparse_16k_visit": (sparse_program("per_head", expect_path="visit"), sparse_input_structs(16384),
                          ("csa_block_bits", "csa_sparse_teacher"), 1.25 * 16384 * K * 4 + 64 * MiB),
 }
 

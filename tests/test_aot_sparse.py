@@ -7,36 +7,13 @@ forced at 32K (also walking tile lists) and V4-Pro widths (H=128, K=1024): the p
 resident rows included).
 """
 
-import jax
-import jax.numpy as jnp
 import pytest
 
-from csa_pallas import aot, ops_sparse, validation
+from csa_pallas import aot
 
-from aot_cases import require_libtpu
+from aot_cases import require_libtpu, sparse_input_structs, sparse_program
 
 MiB = 1 << 20
-
-
-def sparse_program(target, head_chunk=None, *, window=128, ratio=4, cfg=None, expect_path=None):
-    def program(logits, q, compressed_kv, topk, window_kv, sinks):
-        def loss(x):
-            kwargs = dict(window_kv=window_kv, sinks=sinks) if target == "joint" else {}
-            problem = validation.validate(q, compressed_kv, topk_indices=topk, target=target, window_size=window,
-                                          compress_ratio=ratio, head_chunk=head_chunk, implementation="pallas",
-                                          **kwargs)
-            if expect_path is not None:
-                assert ops_sparse.sparse_layout(problem, cfg).path == expect_path
-            return ops_sparse.indexer_distill_loss(x, problem, cfg=cfg)
-        return jax.value_and_grad(loss)(logits)
-    return program
-
-
-def input_structs(seq, *, width=512, batch=1, heads=64, head_dim=512, ratio=4, dtype=jnp.bfloat16):
-    n = seq // ratio
-    return (aot.struct((batch, seq, width), jnp.float32), aot.struct((batch, seq, heads, head_dim), dtype),
-            aot.struct((batch, n, head_dim), dtype), aot.struct((batch, seq, width), jnp.int32),
-            aot.struct((batch, seq, head_dim), dtype), aot.struct((heads,), jnp.float32))
 
 
 # per_head at S = 4096 (the visit path) is compiled by tests/test_platform.py, within a tighter bound.
@@ -45,7 +22,7 @@ def input_structs(seq, *, width=512, batch=1, heads=64, head_dim=512, ratio=4, d
 def test_sparse_flash_shape_forward_backward_compiles_within_memory_bound(target, seq):
     require_libtpu()
     path = "visit" if seq == 4096 else "gather"
-    report = aot.compile_memory(sparse_program(target, expect_path=path), *input_structs(seq))
+    report = aot.compile_memory(sparse_program(target, expect_path=path), *sparse_input_structs(seq))
     one_target = seq * 512 * 4
     bound = 1.25 * one_target + 64 * MiB
     print(f"sparse AOT S={seq} {target}: {report}")
@@ -55,7 +32,7 @@ def test_sparse_flash_shape_forward_backward_compiles_within_memory_bound(target
 def test_sparse_head_major_rows_compile():
     # head_chunk 8 with bf16 is not a whole sublane tile: head-major rows; K=256 < N=256 tiles of 2.
     require_libtpu()
-    aot.compile_for_tpu(sparse_program("joint", 8), *input_structs(1024, width=256))
+    aot.compile_for_tpu(sparse_program("joint", 8), *sparse_input_structs(1024, width=256))
 
 
 @pytest.mark.parametrize("name, seq, heads, width, cfg, path", [
@@ -68,7 +45,7 @@ def test_sparse_head_major_rows_compile():
 def test_sparse_long_context_paths_compile_within_memory_bound(name, seq, heads, width, cfg, path):
     require_libtpu()
     report = aot.compile_memory(sparse_program("per_head", cfg=cfg, expect_path=path),
-                                *input_structs(seq, width=width, heads=heads))
+                                *sparse_input_structs(seq, width=width, heads=heads))
     bound = 1.25 * seq * width * 4 + 64 * MiB
     print(f"sparse AOT {name} S={seq}: {report}")
     assert 0 < report.temp_bytes <= bound, (report, bound)

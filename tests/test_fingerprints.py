@@ -76,11 +76,10 @@ def _kernel_texts(jaxpr) -> list:
     interpreted branch of each call (`runtime.pallas_call`) is the same body with its loops rolled."""
     out = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call" and eqn.params["interpret"] is not False:
-            continue
         if eqn.primitive.name == "pallas_call":
-            out.append(f"{eqn.params['name']}\n" + "\n".join(_canonical(eqn.params["jaxpr"]))
-                       + f"\n{eqn.params['grid_mapping'].grid}")
+            if eqn.params["interpret"] is False:
+                out.append(f"{eqn.params['name']}\n" + "\n".join(_canonical(eqn.params["jaxpr"]))
+                           + f"\n{eqn.params['grid_mapping'].grid}")
             continue  # its body is the kernel: no pallas_call nests inside
         for param in eqn.params.values():
             for sub in (param if isinstance(param, (list, tuple)) else (param,)):
