@@ -201,7 +201,8 @@ def package_fingerprint() -> str:
 # ----------------------------------------------------------------------------------------------- what is measured
 
 def record_memory(row: Row, compiled) -> Row:
-    """HBM bytes of a compiled program (`memory_analysis()`, exact for it) into the row."""
+    """HBM bytes of a compiled program (`memory_analysis()`, exact for it) into the row; peak is the larger of
+    arguments + outputs + temp and XLA's own peak (`aot.MemoryReport.peak_bytes`)."""
     from csa_pallas import aot
     rep = aot.memory_report(compiled)
     row.argument_mib, row.output_mib = rep.argument_bytes / MiB, rep.output_bytes / MiB

@@ -1,7 +1,9 @@
 """Shared by the AOT tests: libtpu is required (a missing libtpu fails them, it does not skip them); the sparse
-loss program and its input structs (test_aot_sparse.py, test_aot_chips.py)."""
+loss program and its input structs (test_aot_sparse.py, test_aot_chips.py); the program's large constants."""
 
+import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,22 @@ def require_libtpu():
         if os.environ.get("CSA_PALLAS_ALLOW_NO_LIBTPU") == "1":
             pytest.skip("libtpu not installed and CSA_PALLAS_ALLOW_NO_LIBTPU=1")
         pytest.fail("libtpu is required for the v5p AOT tests: pip install 'jax[tpu]==0.10.2'")
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8}
+
+
+def large_constants(hlo_text: str, min_bytes: int = 1 << 20) -> list:
+    """The compiled program's constants of at least `min_bytes` ("s32[1,32768,128]", ...): literals of the
+    executable, in HBM beside the program and outside `memory_analysis()`'s temp (what XLA folds from arrays built
+    of static values, e.g. metadata of default ids)."""
+    found = []
+    for dtype, dims in re.findall(r"= (\w+)\[([0-9,]+)\]\S* constant\(", hlo_text):
+        size = math.prod(int(d) for d in dims.split(",")) * _DTYPE_BYTES.get(dtype, 4)
+        if size >= min_bytes:
+            found.append(f"{dtype}[{dims}]")
+    return found
 
 
 def sparse_program(target, head_chunk=None, *, window=128, ratio=4, cfg=None, expect_path=None):

@@ -83,3 +83,14 @@ def test_compile_memory_helper():
     assert report.argument_bytes >= B * S * N * 4 + B * S * H * D * 2 + B * N * D * 2
     assert report.output_bytes >= B * S * 4
     assert report.temp_bytes > 0 and report.peak_bytes > 0
+    assert report.compiler_peak_bytes > 0  # libtpu reports XLA's own peak
+    assert report.peak_bytes >= report.compiler_peak_bytes and report.working_bytes >= report.temp_bytes
+
+
+def test_memory_report_peak_is_the_larger_of_the_sum_and_the_compilers_peak():
+    sums = aot.MemoryReport(argument_bytes=100, output_bytes=40, alias_bytes=10, temp_bytes=5, compiler_peak_bytes=120)
+    assert (sums.peak_bytes, sums.working_bytes) == (135, 5)
+    # the compiler counts more than temp (v6e's working buffers, an executable's constants): its peak stands
+    more = aot.MemoryReport(argument_bytes=100, output_bytes=40, alias_bytes=10, temp_bytes=0, compiler_peak_bytes=147)
+    assert (more.peak_bytes, more.working_bytes) == (147, 17)
+    assert aot.MemoryReport(1, 2, 0, 3).peak_bytes == 6  # not reported: the sum

@@ -49,11 +49,11 @@ def _fused_inputs(seq: int, sparse: bool):
     return structs + (_structs(((B, seq, K), jnp.int32)) if sparse else [])
 
 
-# (program, inputs, kernels that must be in it, temp bound in bytes). The fused op holds the loss's kernels and the
-# student's: dense, the joint teacher with the fused KL, the window LSE and the tiled student kernels; sparse at 32K,
-# the gather teacher and the one student gather kernel. The bounds: the fused op's 64 MiB + the row statistics
-# (test_aot_student.py); the sparse loss's 1.25 x one f32 [B, S, K] + 64 MiB (test_aot_sparse.py, whose program
-# this is).
+# (program, inputs, kernels that must be in it, working-HBM bound in bytes). The fused op holds the loss's kernels and
+# the student's: dense, the joint teacher with the fused KL, the window LSE and the tiled student kernels; sparse at
+# 32K, the gather teacher and the one student gather kernel. The bounds: the fused op's 64 MiB + the row statistics
+# (test_aot_student.py); the sparse loss's 1.25 x one f32 [B, S, K] + 64 MiB (test_aot_sparse.py, whose program this
+# is).
 CASES = {
     "fused_dense_joint_32k": (_fused_program("joint", LIGHT_TILES), _fused_inputs(32768, False),
                               ("csa_teacher_joint", "csa_window_lse", "csa_student_scores", "csa_student_grads"),
@@ -76,4 +76,5 @@ def test_long_context_programs_compile_for_newer_chips(topology, case):
     assert not missing, (missing, sorted(set(re.findall(r"csa_\w+", text))))
     report = aot.memory_report(compiled)
     print(f"{topology} {case}: {report}")
-    assert report.temp_bytes <= bound, (report, bound)
+    # working, not temp: v6e's temp leaves out working buffers that its own peak counts (`aot.MemoryReport`)
+    assert report.temp_bytes <= report.working_bytes <= bound, (report, bound)

@@ -11,7 +11,7 @@ import pytest
 
 from csa_pallas import aot
 
-from aot_cases import require_libtpu, sparse_input_structs, sparse_program
+from aot_cases import large_constants, require_libtpu, sparse_input_structs, sparse_program
 
 MiB = 1 << 20
 
@@ -22,11 +22,13 @@ MiB = 1 << 20
 def test_sparse_flash_shape_forward_backward_compiles_within_memory_bound(target, seq):
     require_libtpu()
     path = "visit" if seq == 4096 else "gather"
-    report = aot.compile_memory(sparse_program(target, expect_path=path), *sparse_input_structs(seq))
+    compiled = aot.compile_for_tpu(sparse_program(target, expect_path=path), *sparse_input_structs(seq))
+    report = aot.memory_report(compiled)
     one_target = seq * 512 * 4
     bound = 1.25 * one_target + 64 * MiB
     print(f"sparse AOT S={seq} {target}: {report}")
     assert 0 < report.temp_bytes <= bound, (report, bound)
+    assert large_constants(compiled.as_text()) == []  # no folded metadata in the executable (test_aot_kernels)
 
 
 def test_sparse_head_major_rows_compile():

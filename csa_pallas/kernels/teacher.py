@@ -58,7 +58,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     Args:
       q: [B, S_p, H, D] (bf16/f32), S_p a multiple of cfg.block_q.
       kv: [B, N_p, D] same dtype as q, N_p a multiple of cfg.block_k.
-      qmeta: int32 [B, S_p, 128]; kmeta: int32 [B, 8, N_p] (see `common`).
+      qmeta: int32 [B, S_p, 128]; kmeta: int32 [B, 8, N_p] (see `common`); not read when schedule.causal (masks
+        from iota positions) or with picks.
       firsts, counts: per-query-tile kv-tile ranges from `common.tile_ranges` (ignored when schedule.causal), or
         with schedule.listed the tile lists and counts of `selection.tile_lists`.
       lse_in: None (per_head), or (u - sigma, sigma) (joint) / (F - sigma, sigma) (full_lse), each f32 in the row
@@ -138,7 +139,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     ]
     if schedule.causal or sel is not None:  # masks from iota positions or the selection: no metadata blocks
         in_specs[2:4] = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
-    if sel is not None:  # never read: a placeholder left in HBM
+        # Never read: a placeholder left in HBM. Passing the real qmeta here kept it alive for nothing; with
+        # default ids XLA folded it into a constant of the executable (int32 [B, S_p, 128]: 64 MiB at S = 128K).
         qmeta = kmeta = jnp.zeros((1, common.SUBLANES, common.LANES), jnp.int32)
     operands = [q, kv, qmeta, kmeta]
     if sel is not None:
