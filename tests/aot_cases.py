@@ -19,17 +19,15 @@ def require_libtpu():
         pytest.fail("libtpu is required for the v5p AOT tests: pip install 'jax[tpu]==0.10.2'")
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-                "f64": 8, "s64": 8, "u64": 8}
-
-
 def large_constants(hlo_text: str, min_bytes: int = 1 << 20) -> list:
     """The compiled program's constants of at least `min_bytes` ("s32[1,32768,128]", ...): literals of the
     executable, in HBM beside the program and outside `memory_analysis()`'s temp (what XLA folds from arrays built
-    of static values, e.g. metadata of default ids)."""
+    of static values, e.g. metadata of default ids). An element's bytes come from its HLO type's bit width (s32,
+    bf16, f8e4m3fn, ...; pred is a byte)."""
     found = []
     for dtype, dims in re.findall(r"= (\w+)\[([0-9,]+)\]\S* constant\(", hlo_text):
-        size = math.prod(int(d) for d in dims.split(",")) * _DTYPE_BYTES.get(dtype, 4)
+        bits = re.search(r"\d+", dtype)
+        size = math.prod(int(d) for d in dims.split(",")) * (int(bits.group()) // 8 if bits else 1)
         if size >= min_bytes:
             found.append(f"{dtype}[{dims}]")
     return found

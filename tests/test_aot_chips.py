@@ -6,8 +6,8 @@ estimates are v5p's): these compiles check that Mosaic for the newer chips accep
 long-context defaults run (the dense teacher with the fused KL; the window LSE; the sparse visit path's block and
 slot bits and its teacher; the sparse gather teacher; the fused student's tiled kernels and its one gather kernel)
 and that no program keeps a scores-sized array, within the bounds of the v5p tests. The other variants compile for
-v5p (`test_variants.py`, the other test_aot_* files). Shapes: DeepSeek-V4-Flash (B=1, H=64, D=512, m=4, W=128, bf16; K=512; indexer H_I=64,
-d_I=128), forward + backward.
+v5p (`test_variants.py`, the other test_aot_* files). Shapes: DeepSeek-V4-Flash (B=1, H=64, D=512, m=4, W=128,
+bf16; K=512; indexer H_I=64, d_I=128), forward + backward.
 """
 
 import re
@@ -76,5 +76,5 @@ def test_long_context_programs_compile_for_newer_chips(topology, case):
     assert not missing, (missing, sorted(set(re.findall(r"csa_\w+", text))))
     report = aot.memory_report(compiled)
     print(f"{topology} {case}: {report}")
-    # working, not temp: v6e's temp leaves out working buffers that its own peak counts (`aot.MemoryReport`)
-    assert report.temp_bytes <= report.working_bytes <= bound, (report, bound)
+    # working (>= temp), not temp: v6e's temp leaves out working buffers that its own peak counts (`aot.MemoryReport`)
+    assert report.working_bytes <= bound, (report, bound)
