@@ -116,6 +116,26 @@ def _tile_inputs(target, logits, qmeta, kmeta, bq: int, bk: int, tile_map, row_m
     return in_specs, operands
 
 
+def _cost(target, logits, schedule: schedule_lib.TileSchedule, *, target_mask: bool, backward: bool,
+          rowstats_bytes: int) -> pl.CostEstimate:
+    """HBM bytes and element work of one KL launch: the P and I tiles of the visited kv tiles (every tile the
+    schedule allows; the backward's other steps keep a visited tile resident), the rows' int32 [bq, 128] and the
+    fetched tiles' int32 [8, bk] visibility metadata for dense targets (the backward fetches a kmeta block at
+    every kv step), the row statistics, and the backward's whole gradient written."""
+    b, s_p, n_p = target.shape
+    tiles = schedule.visited_tiles(b)
+    elements = tiles * schedule.block_q * schedule.block_k
+    moved = elements * (target.dtype.itemsize + logits.dtype.itemsize) + rowstats_bytes
+    if not target_mask:
+        kmeta_fetches = b * schedule.nq * schedule.nk if backward else tiles
+        moved += 4 * (b * s_p * common.LANES + kmeta_fetches * common.SUBLANES * schedule.block_k)
+    if backward:
+        moved += b * s_p * n_p * logits.dtype.itemsize
+    # forward: max, exp, two products and a log per element; backward: an exp and three products
+    return pl.CostEstimate(flops=8 * elements, transcendentals=(1 if backward else 2) * elements,
+                           bytes_accessed=moved)
+
+
 def kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, *, schedule: schedule_lib.TileSchedule,
                       interpret=False, target_mask: bool = False):
     """Per-row KL and student statistics.
@@ -169,6 +189,8 @@ def kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, *, schedule:
         out_shape=jax.ShapeDtypeStruct((b, nq, STAT_ROWS, bq), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=max(32 * MiB, 2 * vmem + 8 * MiB)),
+        cost_estimate=_cost(target, logits, schedule, target_mask=target_mask, backward=False,
+                            rowstats_bytes=b * nq * STAT_ROWS * bq * 4),
         interpret=interpret,
         name=f"csa_kl_fwd_bq{bq}_bk{bk}{'_sparse' if target_mask else ''}",
     )(firsts, counts, *operands)
@@ -257,6 +279,8 @@ def kl_backward_pallas(target, logits, qmeta, kmeta, firsts, counts, rowstats, *
         out_shape=jax.ShapeDtypeStruct((b, s_p, n_p), logits.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=max(32 * MiB, 2 * vmem + 8 * MiB)),
+        cost_estimate=_cost(target, logits, schedule, target_mask=target_mask, backward=True,
+                            rowstats_bytes=rowstats.size * 4),
         interpret=interpret,
         name=f"csa_kl_bwd_bq{bq}_bk{bk}{'_sparse' if target_mask else ''}",
     )(firsts, counts, *operands)

@@ -86,6 +86,16 @@ class TileSchedule:
         last_block = min((qi * self.block_q + self.block_q) // self.ratio - 1, self.num_blocks - 1)
         return last_block // self.block_k + 1 if last_block >= 0 else 0
 
+    def visited_tiles(self, batch: int) -> int:
+        """kv tiles a walk of this schedule visits per (head chunk, pass) over the whole batch, for cost
+        estimates: exact for the causal schedule, all nq * nk tiles (an upper bound) when the ranges come from
+        the ids at run time; with tile lists the causally visible tiles (an upper bound; a benchmark's fixed
+        lists, `ESTIMATE_LIST_STEPS`, exactly)."""
+        if self.causal:
+            most = ESTIMATE_LIST_STEPS if self.listed else None  # a benchmark's fixed lists
+            return batch * sum(min(self.static_count(i), most or self.nk) for i in range(self.nq))
+        return batch * self.nq * self.nk
+
     def full(self, qi, tile):
         """True when every query of tile qi sees every block of kv tile `tile` (causal schedule only): the mask
         can be skipped. Tiles holding padding blocks are never full."""

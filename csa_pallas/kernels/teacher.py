@@ -79,7 +79,8 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
 
     Returns:
       P, f32 [B, S_p, N_p] (sparse: [B, S_p, K_p], EMPTY_SLOT on empty slots), rows L1-normalised (0 outside
-      V(t) and on empty rows, NaN on rows that read a non-finite input). normalize=False: (head sum f32 [B, S_p, N_p], M f32 [B, nq, 8, bq] in row 0, base 2).
+      V(t) and on empty rows, NaN on rows that read a non-finite input). normalize=False: (head sum f32
+      [B, S_p, N_p], M f32 [B, nq, 8, bq] in row 0, base 2).
       With `kl`: the KL statistics f32 [B, nq, 8, bq] (row 0 KL, row 1 student lse, row 2 sum P, row 3
       non-empty; 0 on empty and padding rows) and, with kl.emit_gradient, G = softmax_V(I) * sum P - P in the
       logits' dtype [B, S_p, N_p] (0 outside V).
@@ -189,8 +190,9 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         scratch.append(pltpu.VMEM((bq, bk), jnp.float32))  # exact slot weights of a tile with duplicates
         if sel.fold:
             scratch.append(pltpu.VMEM((sel.width_p // sel.fold, sel.fold * bq), jnp.int32))
-    kernel = functools.partial(teacher_phases.kernel, mode=mode, walk=walk, nh=nh, layout=layout, group=group, scale=scale,
-                               normalize=normalize, straight_pass2=straight_pass2, kl=kl, seq_len=seq_len, sel=sel)
+    kernel = functools.partial(teacher_phases.kernel, mode=mode, walk=walk, nh=nh, layout=layout, group=group,
+                               scale=scale, normalize=normalize, straight_pass2=straight_pass2, kl=kl,
+                               seq_len=seq_len, sel=sel)
     order = "tok" if layout.token_major else "head"
     return runtime.pallas_call(
         kernel,
@@ -205,11 +207,15 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=cfg.vmem_limit_bytes),
+        # Outputs: P, and with normalize=False the rows' maxima [B, nq, 8, bq] too (fused KL: counted by `kl`).
         cost_estimate=cost_estimate(q, kv, schedule, batch=b, head_chunk=hc, matmuls=1 if cached else 2,
                                     lse_inputs=0 if mode == "per_head" else 1, kl=kl, logits=logits,
-                                    output_bytes=0 if kl is not None else b * s_p * width_p * 4,
+                                    output_bytes=0 if kl is not None else
+                                    b * s_p * (width_p + (0 if normalize else common.SUBLANES)) * 4,
                                     extra_bytes=0 if sel is None else 2 * (idx.size + vbits.size) * 4
-                                    + bits.size * 4),
+                                    + bits.size * 4,
+                                    metadata=not schedule.causal and sel is None,
+                                    key_row=not schedule.causal and sel is None and (kl is not None or normalize)),
         interpret=interpret,
         name=f"csa_{'sparse_' if sel else ''}teacher_{mode}_bq{bq}_bk{bk}_hc{hc}_{order}_{kind}"
              f"{'_cached' if cached else ''}{'_listed' if schedule.listed else ''}{'_kl' if kl else ''}"
@@ -217,31 +223,30 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     )(firsts, counts, *([] if sel is None else [tables]), *operands)
 
 
-def visited_tiles(schedule: schedule_lib.TileSchedule, batch: int) -> int:
-    """kv tiles the walk visits per (head chunk, pass) over the whole batch: exact for the causal schedule, all
-    nq * nk tiles (an upper bound) when the ranges come from the ids at run time; with tile lists the causally
-    visible tiles (an upper bound; a benchmark's fixed lists, `schedule.ESTIMATE_LIST_STEPS`, exactly)."""
-    if schedule.causal:
-        most = schedule_lib.ESTIMATE_LIST_STEPS if schedule.listed else None  # a benchmark's fixed lists
-        return batch * sum(min(schedule.static_count(i), most or schedule.nk) for i in range(schedule.nq))
-    return batch * schedule.nq * schedule.nk
-
-
 def cost_estimate(q, kv, schedule: schedule_lib.TileSchedule, *, batch: int, head_chunk: int, matmuls: int,
-                  lse_inputs: int, kl, logits, output_bytes: int, extra_bytes: int = 0) -> pl.CostEstimate:
+                  lse_inputs: int, kl, logits, output_bytes: int, extra_bytes: int = 0, metadata: bool = False,
+                  key_row: bool = False) -> pl.CostEstimate:
     """HBM bytes and flops of a teacher launch: q once per query tile, each visited kv tile once per (head chunk,
     walked pass), the statistics inputs, logits in and G out (fused KL) or P out, plus extra_bytes (e.g. top-k
-    indices). Causal schedules are exact; table schedules count every tile (an upper bound)."""
+    indices). metadata: the masks read the ids (int32 qmeta [B, S_p, 128] once per (query tile, head chunk), an
+    upper bound, and an int32 [8, block_k] kmeta block with each visited kv tile); key_row: the epilogue also
+    reads a batch element's whole kmeta row [8, N_p]. Causal schedules are exact; table schedules count every
+    tile (an upper bound)."""
     _, s_p, h, d = q.shape
     nh = h // head_chunk
-    tiles = visited_tiles(schedule, batch)
+    tiles = schedule.visited_tiles(batch)
     rows = schedule.block_q * h  # all chunks of a query tile
     flops = 2 * rows * schedule.block_k * d * tiles * matmuls
     kv_bytes = tiles * nh * matmuls * schedule.block_k * d * kv.dtype.itemsize
-    stats_bytes = lse_inputs * batch * s_p * h * 4
+    meta_bytes = 0
+    if metadata:
+        meta_bytes = 4 * nh * (batch * s_p * common.LANES + tiles * matmuls * common.SUBLANES * schedule.block_k)
+    if key_row:
+        meta_bytes += 4 * batch * common.SUBLANES * schedule.nk * schedule.block_k
+    stats_bytes = lse_inputs * batch * s_p * (h + common.SUBLANES) * 4  # the rebased LSE input and its row shift
     kl_bytes = 0
     if kl is not None:
         kl_bytes = logits.size * logits.dtype.itemsize * (2 if kl.emit_gradient else 1) + batch * s_p * 8 * 4
     return pl.CostEstimate(flops=flops, transcendentals=rows * schedule.block_k * tiles * 2,
-                           bytes_accessed=q.size * q.dtype.itemsize + kv_bytes + stats_bytes + kl_bytes
-                           + output_bytes + extra_bytes)
+                           bytes_accessed=q.size * q.dtype.itemsize + kv_bytes + meta_bytes + stats_bytes
+                           + kl_bytes + output_bytes + extra_bytes)

@@ -196,6 +196,21 @@ def _band(qi, bq, bk, window_size, num_kv_tiles, key_offset):
     return first, last
 
 
+def _hbm_bytes(q, window_kv, *, bk: int, nq: int, nh: int, band: int, tiles: int, ids: bool, sinks: bool) -> int:
+    """HBM bytes a launch moves: q once; per (query tile, head chunk) its band's kv tiles (steps x tiles per step,
+    an upper bound: the band is shorter near the start) with their int32 [8, bk] metadata when the masks read
+    the ids, plus qmeta once per query tile; the sinks' rows per (query tile, head chunk); the f32 [B, S_p, H]
+    result."""
+    b, s_p, h, d = q.shape
+    fetches = b * nq * nh * common.cdiv(band, tiles) * tiles
+    moved = q.size * q.dtype.itemsize + fetches * bk * d * window_kv.dtype.itemsize + b * s_p * h * 4
+    if ids:
+        moved += 4 * (b * s_p * common.LANES + fetches * common.SUBLANES * bk)
+    if sinks:
+        moved += b * s_p * h * 4
+    return moved
+
+
 def tiles_per_step(band: int) -> int:
     """Key tiles one grid step computes: the whole band when it is short (fewer grid steps, each with its fixed
     pipeline cost), else one (the step's scores stay small in VMEM)."""
@@ -288,7 +303,9 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, sinks=None, *, cfg: WindowConf
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=cfg.vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=2 * b * s_p * h * band * bk * d, transcendentals=b * s_p * h * band * bk,
-                                      bytes_accessed=q.size * q.dtype.itemsize),
+                                      bytes_accessed=_hbm_bytes(q, window_kv, bk=bk, nq=nq, nh=nh, band=band,
+                                                                tiles=tiles, ids=seq_len is None,
+                                                                sinks=sinks is not None)),
         interpret=interpret,
         name=f"csa_window_lse_bq{bq}_bk{bk}_hc{hc}_{'tok' if layout.token_major else 'head'}",
     )(*operands)
