@@ -260,10 +260,10 @@ def _compute_loss(cfg: IndexerLossConfig, student: tuple, q, compressed_kv, *, t
     return run(
         *student, q, compressed_kv, topk_indices=topk_indices, window_kv=window_kv, sinks=sinks,
         noncompressed_lse=noncompressed_lse, full_lse=full_lse, segment_ids=segment_ids, positions=positions,
-        kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, loss_mask=loss_mask, compress_ratio=cfg.compress_ratio,
-        window_size=cfg.window_size, softmax_scale=cfg.softmax_scale, target=cfg.target, reduction=cfg.reduction,
-        scale=cfg.scale, head_chunk=cfg.head_chunk, implementation=cfg.implementation,
-        config=validation.thaw_config(cfg.kernel_config))
+        kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, loss_mask=loss_mask,
+        compress_ratio=cfg.compress_ratio, window_size=cfg.window_size, softmax_scale=cfg.softmax_scale,
+        target=cfg.target, reduction=cfg.reduction, scale=cfg.scale, head_chunk=cfg.head_chunk,
+        implementation=cfg.implementation, config=validation.thaw_config(cfg.kernel_config))
 
 
 # The keyword arrays of a module call (every one optional): the op's teacher arguments that are not config fields.

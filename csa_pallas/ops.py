@@ -149,8 +149,8 @@ def dense_layout(problem: Problem, cfg=None, kl_logits_dtype=None) -> DenseLayou
     schedule = schedule_lib.TileSchedule(causal=causal_schedule(problem), nq=s_p // cfg.block_q,
                                          nk=n_p // cfg.block_k, block_q=cfg.block_q, block_k=cfg.block_k,
                                          ratio=problem.compress_ratio, num_blocks=problem.num_blocks)
-    return DenseLayout(cfg=cfg, schedule=schedule, seq_len=problem.seq_len, num_blocks=problem.num_blocks, qmeta=qmeta, kmeta=kmeta,
-                       firsts=firsts, counts=counts)
+    return DenseLayout(cfg=cfg, schedule=schedule, seq_len=problem.seq_len, num_blocks=problem.num_blocks,
+                       qmeta=qmeta, kmeta=kmeta, firsts=firsts, counts=counts)
 
 
 def window_supported_reason(problem: Problem) -> Optional[str]:

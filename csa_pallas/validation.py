@@ -347,7 +347,8 @@ def validate(
     kv_len = None
     for name, x in (("window_kv", window_kv), ("kv_segment_ids", kv_segment_ids), ("kv_positions", kv_positions)):
         if x is not None:
-            _check_rank(name, x, 3 if name == "window_kv" else 2, "[B, S_kv, D]" if name == "window_kv" else "[B, S_kv]")
+            _check_rank(name, x, 3 if name == "window_kv" else 2,
+                        "[B, S_kv, D]" if name == "window_kv" else "[B, S_kv]")
             if kv_len is None:
                 kv_len = _shape(x)[1]
     if kv_len is None:

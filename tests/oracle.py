@@ -207,7 +207,8 @@ def _rows(q, compressed_kv, *, topk_indices=None, window_kv=None, sinks=None, no
                 slots = [s for s in range(N) if vis[b, t, s]]
                 blocks = slots
             else:  # sparse: slot k -> block topk[b,t,k]; invalid slots are never read
-                slots = [k for k in range(topk.shape[2]) if 0 <= int(topk[b, t, k]) < N and vis[b, t, int(topk[b, t, k])]]
+                slots = [k for k in range(topk.shape[2])
+                         if 0 <= int(topk[b, t, k]) < N and vis[b, t, int(topk[b, t, k])]]
                 blocks = [int(topk[b, t, k]) for k in slots]
             if not slots:
                 continue  # empty row

@@ -25,7 +25,8 @@ def compile_sharded(axes: dict, batch: int, sparse: bool):
     heads = "heads" if "heads" in axes else None
     width = K if sparse else N
     st = lambda shape, dtype, spec: aot.sharded_struct(shape, dtype, mesh, spec)
-    args = [st((batch, S, width), jnp.float32, P(b, seq, None)), st((batch, S, H, D), jnp.bfloat16, P(b, seq, heads, None)),
+    args = [st((batch, S, width), jnp.float32, P(b, seq, None)),
+            st((batch, S, H, D), jnp.bfloat16, P(b, seq, heads, None)),
             st((batch, N, D), jnp.bfloat16, P(b, None, None)), st((batch, S, D), jnp.bfloat16, P(b, seq, None)),
             st((H,), jnp.float32, P(heads))]
     if sparse:

@@ -260,7 +260,8 @@ def test_sequence_shards_shorter_than_the_window_halo_are_rejected():
 def test_batch_must_divide_over_the_batch_axes():
     mesh = mesh_of({"data": 8})
     logits, arrays, teacher = inputs(0, sparse=False, target="per_head", packed=False)
-    with pytest.raises(ValueError, match="batch_axes: the batch B=2 must be a multiple of the number of batch shards 8"):
+    with pytest.raises(ValueError,
+                       match="batch_axes: the batch B=2 must be a multiple of the number of batch shards 8"):
         sharding.sharded_indexer_distill_loss(mesh, logits, arrays["q"], arrays["compressed_kv"], batch_axes="data",
                                               **teacher)
 

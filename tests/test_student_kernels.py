@@ -131,12 +131,14 @@ def test_skip_table_covers_every_visible_pair_and_counts_the_causal_steps():
     c = _case(3, batch=2, seq=1100, num_docs=3)
     cfg = sk.StudentKernelConfig(block_q=16, block_k=256)
     s_p, n_p = 1104, 512
-    table = np.asarray(student_schedule.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)).reshape(2, s_p // 16, 2)
+    table = np.asarray(student_schedule.skip_table(c["positions"], c["block_end"], s_p, n_p, cfg)).reshape(
+        2, s_p // 16, 2)
     b, t, s = np.nonzero(np.asarray(c["visible"]))
     # every visible pair lies in the computed prefix of its kv tile: parts of 128 blocks
     assert np.all(table[b, t // 16, s // 256] >= (s % 256) // 128 + 1)
     untrimmed = dataclasses.replace(cfg, trim_kv_tile=False)
-    whole = np.asarray(student_schedule.skip_table(c["positions"], c["block_end"], s_p, n_p, untrimmed)).reshape(table.shape)
+    whole = np.asarray(student_schedule.skip_table(c["positions"], c["block_end"], s_p, n_p, untrimmed)).reshape(
+        table.shape)
     np.testing.assert_array_equal(whole, table > 0)
     # One document at S = 4096, N = 1024 with 128 x 256 tiles: kv tile j is needed by query tile i iff
     # 1024 j + 3 <= 128 i + 127 - 80 of the 128 steps; the 32 diagonal steps see 32 (i % 8 + 1) blocks of their
@@ -148,7 +150,8 @@ def test_skip_table_covers_every_visible_pair_and_counts_the_causal_steps():
                               (sk.default_config(seq_len=4096, num_blocks=1024), 48, 144)]:
         full = student_schedule.skip_table(pos, end, 4096, 1024, cfg)
         assert int(jnp.sum(full > 0)) == steps and int(jnp.sum(full)) == parts
-        skip = student_schedule.Skip(4096 // cfg.block_q, 1024 // cfg.block_k, cfg.block_q, cfg.block_k, RATIO, cfg.parts)
+        skip = student_schedule.Skip(4096 // cfg.block_q, 1024 // cfg.block_k, cfg.block_q, cfg.block_k, RATIO,
+                                     cfg.parts)
         assert skip.active_steps() == steps and skip.active_parts() == parts
         whole = student_schedule.skip_table(pos, end, 4096, 1024, dataclasses.replace(cfg, trim_kv_tile=False))
         assert int(jnp.sum(whole)) == steps

@@ -129,7 +129,8 @@ def test_plot_writer(tmp_path):
     paths = sweep_report.write_plots(rows, str(tmp_path), "unit", "v5p:2x2x1")
     assert paths == [str(tmp_path / "memory_unit.png")]  # no wall rows: no time plot
     assert os.path.getsize(paths[0]) > 0
-    assert sweep_report.plot_metric([], str(tmp_path / "none.png"), measure="aot", key="temp_mib", ylabel="", title="") is None
+    assert sweep_report.plot_metric([], str(tmp_path / "none.png"), measure="aot", key="temp_mib", ylabel="",
+                                    title="") is None
 
 
 def test_end_to_end_tiny_quick(tmp_path, capsys):
@@ -177,5 +178,6 @@ def test_isolated_compile_timeout(tmp_path, capsys):
     if aot.libtpu_available():
         assert [(r["measure"], r["status"]) for r in rows] == [("aot", "timeout")]
         assert "timeout" in rows[0]["error"] and rows[0]["how"]
-    assert sweep_report.parse_table(capsys.readouterr().out) == sweep_report.parse_table(sweep_report.format_table(rows))
+    printed = capsys.readouterr().out
+    assert sweep_report.parse_table(printed) == sweep_report.parse_table(sweep_report.format_table(rows))
     assert set(rows[0]) == set(harness.ROW_FIELDS)  # the child's row is a harness.Row

@@ -193,7 +193,8 @@ def test_forced_variant_compiles_for_v5p(name):
 
     def fwd_bwd(a):
         kw = call_kwargs(a)
-        loss = lambda x: csa_pallas.indexer_distill_loss(x, a["q"], a["compressed_kv"], head_chunk=config.get("head_chunk"),
+        loss = lambda x: csa_pallas.indexer_distill_loss(x, a["q"], a["compressed_kv"],
+                                                         head_chunk=config.get("head_chunk"),
                                                          implementation="pallas", config=config, **kw)
         return jax.value_and_grad(loss)(a["logits"])
 
