@@ -209,10 +209,17 @@ def padded_indices(problem: Problem, layout: SparseLayout) -> jax.Array:
     return ops.pad_axis(ops.pad_axis(idx, 1, layout.padded_seq, -1), 2, layout.padded_width, -1)
 
 
+# Packed documents: the slot validity gathers each slot's block keys in XLA, a [B, rows, K_p] int32 array per key;
+# the rows go in chunks of about this many bytes per gathered array, each chunk packed into its slot bits at once.
+PACKED_VALIDITY_CHUNK_BYTES = 8 * common.MiB
+
+
 def padded_slot_bits(problem: Problem, layout: SparseLayout, idx=None) -> jax.Array:
     """V(t) as slot bits (`selection.slot_bits_pallas`): int32 [B, S_p, K_p / 32] (padding rows and slots empty).
     Default positions (`Problem.one_document_prefix`): from the rows' limits (no [B, S, K]-sized temporary);
-    packed documents: the validity is computed in XLA (it gathers the blocks' metadata) and packed as int8."""
+    packed documents: the validity is computed in XLA (it gathers the blocks' metadata), in chunks of rows
+    (`packed_validity_chunk`), and packed as int8 chunk by chunk. Over the whole sequence the gathered keys and
+    the clamped indices were three [B, S, K] int32 arrays: 512 MiB of temp at S = 128K, K = 512."""
     idx = padded_indices(problem, layout) if idx is None else idx
     interpret = runtime.interpret_mode()
     rows = selection.build_rows(problem.seq_len)
@@ -222,9 +229,35 @@ def padded_slot_bits(problem: Problem, layout: SparseLayout, idx=None) -> jax.Ar
             limit = jnp.where(problem.loss_mask, limit, 0)
         limit = ops.pad_axis(limit.astype(jnp.int32), 1, layout.padded_seq)[:, None, :]  # padding rows: 0
         return selection.slot_bits_pallas(idx, limit=limit, rows=rows, interpret=interpret)
-    valid = slot_validity(problem)
-    valid = ops.pad_axis(ops.pad_axis(valid, 1, layout.padded_seq, False), 2, layout.padded_width, False)
-    return selection.slot_bits_pallas(idx, valid=valid.astype(jnp.int8), rows=rows, interpret=interpret)
+    b, s_p, k_p = idx.shape
+    block_segment, block_end = reference.block_keys(problem)
+    segment_ids = ops.pad_axis(problem.segment_ids.astype(jnp.int32), 1, s_p)
+    positions = ops.pad_axis(problem.positions.astype(jnp.int32), 1, s_p)
+    row_ok = jnp.ones((b, problem.seq_len), bool) if problem.loss_mask is None else problem.loss_mask
+    row_ok = ops.pad_axis(row_ok, 1, s_p, False)  # padding rows: empty (their indices are -1 too)
+    chunk = packed_validity_chunk(b, s_p, k_p, rows)
+
+    def bits_of(start):
+        rows_of = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)
+        chunk_idx = rows_of(idx)  # padding slots are -1: out of range, invalid
+        valid = masks.slot_visible(chunk_idx, rows_of(segment_ids), rows_of(positions), block_segment, block_end)
+        valid = valid & rows_of(row_ok)[:, :, None]
+        return selection.slot_bits_pallas(chunk_idx, valid=valid.astype(jnp.int8), rows=rows, interpret=interpret)
+    if chunk == s_p:
+        return bits_of(0)
+    return jax.lax.fori_loop(
+        0, s_p // chunk, lambda i, out: jax.lax.dynamic_update_slice_in_dim(out, bits_of(i * chunk), i * chunk, 1),
+        jnp.zeros((b, s_p, k_p // selection.WORD_BITS), jnp.int32))
+
+
+def packed_validity_chunk(batch: int, padded_seq: int, padded_width: int, rows: int) -> int:
+    """Rows per chunk of the packed-documents slot validity: a multiple of the bit kernel's `rows` dividing S_p,
+    the largest whose [B, chunk, K_p] int32 gather stays within PACKED_VALIDITY_CHUNK_BYTES (at least `rows`)."""
+    chunk = rows * max(1, PACKED_VALIDITY_CHUNK_BYTES // (batch * rows * padded_width * 4))
+    chunk = min(chunk, padded_seq)
+    while padded_seq % chunk:
+        chunk -= rows
+    return chunk
 
 
 def selection_inputs(problem: Problem, layout: SparseLayout) -> Selection:

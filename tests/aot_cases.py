@@ -34,9 +34,13 @@ def large_constants(hlo_text: str, min_bytes: int = 1 << 20) -> list:
 
 
 def sparse_program(target, head_chunk=None, *, window=128, ratio=4, cfg=None, expect_path=None):
-    def program(logits, q, compressed_kv, topk, window_kv, sinks):
+    """The sparse loss + gradient on `sparse_input_structs`' arrays (plus int32 [B, S] segment ids and positions
+    when the structs end with them: packed documents)."""
+    def program(logits, q, compressed_kv, topk, window_kv, sinks, segment_ids=None, positions=None):
         def loss(x):
             kwargs = dict(window_kv=window_kv, sinks=sinks) if target == "joint" else {}
+            if segment_ids is not None:
+                kwargs.update(segment_ids=segment_ids, positions=positions)
             problem = validation.validate(q, compressed_kv, topk_indices=topk, target=target, window_size=window,
                                           compress_ratio=ratio, head_chunk=head_chunk, implementation="pallas",
                                           **kwargs)
@@ -47,8 +51,10 @@ def sparse_program(target, head_chunk=None, *, window=128, ratio=4, cfg=None, ex
     return program
 
 
-def sparse_input_structs(seq, *, width=512, batch=1, heads=64, head_dim=512, ratio=4, dtype=jnp.bfloat16):
+def sparse_input_structs(seq, *, width=512, batch=1, heads=64, head_dim=512, ratio=4, dtype=jnp.bfloat16,
+                         packed=False):
     n = seq // ratio
+    ids = (aot.struct((batch, seq), jnp.int32),) * 2 if packed else ()
     return (aot.struct((batch, seq, width), jnp.float32), aot.struct((batch, seq, heads, head_dim), dtype),
             aot.struct((batch, n, head_dim), dtype), aot.struct((batch, seq, width), jnp.int32),
-            aot.struct((batch, seq, head_dim), dtype), aot.struct((heads,), jnp.float32))
+            aot.struct((batch, seq, head_dim), dtype), aot.struct((heads,), jnp.float32)) + ids

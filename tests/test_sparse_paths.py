@@ -334,3 +334,42 @@ def test_gather_path_reads_a_query_chunk_in_place_under_the_race_and_out_of_boun
                                         ops_sparse.sparse_layout(odd, config_for("gather")))
     other_dtype = (problem.q.astype(jnp.bfloat16), jnp.int32(16))  # the kernels' compute dtype is f32 here
     assert not ops_sparse.in_place_rows(dataclasses.replace(shard, q_window=other_dtype), layout)
+
+
+def test_packed_documents_slot_validity_in_row_chunks(monkeypatch):
+    """Packed documents: the slot validity gathers each slot's block keys in XLA in chunks of rows
+    (`ops_sparse.packed_validity_chunk`: 8 MiB per gathered [B, chunk, K_p] int32 array, 4,096 rows at K = 512;
+    over the whole sequence the gathers were 512 MiB of temp at S = 128K). Forced down to 128-row chunks (4 of
+    the 512 rows), the slot bits are the whole-sequence validity packed (loss_mask and cross-document,
+    straddling, future, -1 and out-of-range slots included), and both paths give the reference's loss and
+    gradient."""
+    assert ops_sparse.packed_validity_chunk(1, 131072, 512, 128) == 4096
+    assert ops_sparse.packed_validity_chunk(2, 384, 512, 128) == 384  # the whole (short) sequence: no loop
+    assert ops_sparse.packed_validity_chunk(1, 640, 8192, 128) == 128  # 256 rows fit 8 MiB but do not divide 640
+    monkeypatch.setattr(ops_sparse, "PACKED_VALIDITY_CHUNK_BYTES", 1)
+    seq, width = 512, 24
+    a = make_case(6, seq=seq, ratio=4, heads=2, head_dim=32, num_docs=4)
+    rng = np.random.default_rng(6)
+    idx = jnp.asarray(rng.integers(-2, seq // 4 + 3, (1, seq, width)), jnp.int32)
+    loss_mask = jnp.asarray(rng.random((1, seq)) > 0.2)
+    kw = dict(topk_indices=idx, compress_ratio=4, window_size=16, target="per_head", loss_mask=loss_mask,
+              segment_ids=a["segment_ids"], positions=a["positions"])
+    problem = validation.validate(a["q"], a["compressed_kv"], **kw)
+    layout = ops_sparse.sparse_layout(problem, config_for("gather"))
+    assert ops_sparse.packed_validity_chunk(1, layout.padded_seq, layout.padded_width, 128) == 128
+    bits = np.asarray(ops_sparse.padded_slot_bits(problem, layout)).view(np.uint32)
+    valid = np.asarray(ops_sparse.slot_validity(problem))
+    assert 0 < valid.sum() < valid.size
+    want = np.zeros(bits.shape, np.uint32)
+    for b, t, k in zip(*np.nonzero(valid)):
+        want[b, t, k >> 5] |= np.uint32(1) << np.uint32(k & 31)
+    np.testing.assert_array_equal(bits, want)
+    logits = jnp.asarray(rng.standard_normal((1, seq, width)) * 2.0, jnp.float32)
+    want_value, want_grad = jax.value_and_grad(lambda x: reference.indexer_distill_loss(x, problem))(logits)
+    for path in ("visit", "gather"):
+        value, grad = jax.jit(jax.value_and_grad(lambda x: csa_pallas.indexer_distill_loss(
+            x, a["q"], a["compressed_kv"], implementation="pallas", config=config_for(path), **kw)),
+            compiler_options=FAST)(logits)
+        np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+        scale = float(np.max(np.abs(want_grad)))
+        np.testing.assert_allclose(np.asarray(grad) / scale, np.asarray(want_grad) / scale, atol=1e-5)
