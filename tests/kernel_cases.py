@@ -1,4 +1,5 @@
-"""Input builders and a runner shared by the kernel tests: Pallas (interpret on CPU) vs the pure-JAX reference."""
+"""Input builders and a runner shared by the kernel tests: Pallas (interpret on CPU) vs the pure-JAX reference;
+the compiled kernel calls of a traced program (`compiled_pallas_calls`)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,25 @@ import functools
 from typing import Optional
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
 from csa_pallas import ops, reference, validation
 from csa_pallas.kernels import runtime
+
+
+def compiled_pallas_calls(jaxpr):
+    """The Mosaic pallas_call equations of `jaxpr` (a jax.extend.core.Jaxpr), in program order, nested jaxprs
+    included. The interpreted branch each kernel call also stages (`runtime.pallas_call`) is the same kernel with
+    `interpret` set, and is left out."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            if eqn.params["interpret"] is False:
+                yield eqn
+            continue  # its body is the kernel: no pallas_call nests inside
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from compiled_pallas_calls(sub)
 
 
 def packed_ids(rng: np.random.Generator, batch: int, seq: int, num_docs: int):

@@ -20,17 +20,7 @@ import test_variants as variants
 from csa_pallas import sharding
 from csa_pallas.kernels import kl_of_target
 from csa_pallas.kernels import schedule as schedule_lib
-
-
-def _compiled_calls(jaxpr):
-    """The Mosaic pallas_call equations of `jaxpr` (the interpreted branch of each call is the same kernel)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            if eqn.params["interpret"] is False:
-                yield eqn
-            continue
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _compiled_calls(sub)
+from kernel_cases import compiled_pallas_calls
 
 
 def _blocked_bytes(eqn) -> int:
@@ -42,7 +32,7 @@ def _blocked_bytes(eqn) -> int:
 
 def _check_declared_bytes(jaxpr, *, at_least: int = 1) -> list:
     names = []
-    for eqn in _compiled_calls(jaxpr):
+    for eqn in compiled_pallas_calls(jaxpr):
         name = eqn.params["name"]
         estimate = eqn.params.get("cost_estimate")
         assert estimate is not None, f"{name}: no CostEstimate"
@@ -55,14 +45,8 @@ def _check_declared_bytes(jaxpr, *, at_least: int = 1) -> list:
 
 @pytest.mark.parametrize("name", sorted(variants.VARIANTS))
 def test_every_variant_declares_at_least_its_operands_once(name):
-    a = variants.arrays_for(name)
-    config = variants.config_of(name)
-
-    def run(a):
-        loss = lambda x: csa_pallas.indexer_distill_loss(x, a["q"], a["compressed_kv"], head_chunk=config.get(
-            "head_chunk"), implementation="pallas", config=config, **variants.call_kwargs(a))
-        return jax.value_and_grad(loss)(a["logits"])
-    names = _check_declared_bytes(jax.make_jaxpr(run)(a).jaxpr, at_least=2)
+    jaxpr = jax.make_jaxpr(variants.loss_and_grad(name))(variants.arrays_for(name)).jaxpr
+    names = _check_declared_bytes(jaxpr, at_least=2)
     assert any("window_lse" in n for n in names) and any("teacher" in n or "gather" in n for n in names), names
 
 

@@ -22,8 +22,8 @@ import jax  # noqa: E402
 import jax.extend.core as jex_core  # noqa: E402
 import pytest  # noqa: E402
 
-import csa_pallas  # noqa: E402
 import test_variants as variants  # noqa: E402
+from kernel_cases import compiled_pallas_calls  # noqa: E402
 
 FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fingerprints.json")
 CASES = ("dense_merged_pairs", "dense_pairs", "dense_plain_straight", "dense_two_pass", "dense_head_major_rows",
@@ -74,33 +74,13 @@ def _canonical(jaxpr, depth: int = 0) -> list:
 def _kernel_texts(jaxpr) -> list:
     """The canonical kernel body and grid of every compiled (Mosaic) pallas_call in `jaxpr`, in program order: the
     interpreted branch of each call (`runtime.pallas_call`) is the same body with its loops rolled."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            if eqn.params["interpret"] is False:
-                out.append(f"{eqn.params['name']}\n" + "\n".join(_canonical(eqn.params["jaxpr"]))
-                           + f"\n{eqn.params['grid_mapping'].grid}")
-            continue  # its body is the kernel: no pallas_call nests inside
-        for param in eqn.params.values():
-            for sub in (param if isinstance(param, (list, tuple)) else (param,)):
-                if isinstance(sub, jex_core.ClosedJaxpr):
-                    out += _kernel_texts(sub.jaxpr)
-                elif isinstance(sub, jex_core.Jaxpr):
-                    out += _kernel_texts(sub)
-    return out
+    return [f"{eqn.params['name']}\n" + "\n".join(_canonical(eqn.params["jaxpr"]))
+            + f"\n{eqn.params['grid_mapping'].grid}" for eqn in compiled_pallas_calls(jaxpr)]
 
 
 def fingerprint(name: str) -> dict:
     """{"kernels": count, "sha256": hash} of the forward+backward and teacher kernels of variant `name`."""
-    a = variants.arrays_for(name)
-    config = variants.config_of(name)
-
-    def run(a):
-        kw = variants.call_kwargs(a)
-        loss = lambda x: csa_pallas.indexer_distill_loss(x, a["q"], a["compressed_kv"], head_chunk=config.get(
-            "head_chunk"), implementation="pallas", config=config, **kw)
-        return jax.value_and_grad(loss)(a["logits"])
-    texts = _kernel_texts(jax.make_jaxpr(run)(a).jaxpr)
+    texts = _kernel_texts(jax.make_jaxpr(variants.loss_and_grad(name))(variants.arrays_for(name)).jaxpr)
     digest = hashlib.sha256("\n\n".join(texts).encode()).hexdigest()[:16]
     return dict(kernels=len(texts), sha256=digest)
 

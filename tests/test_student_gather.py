@@ -12,7 +12,6 @@ test_student.py).
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from csa_pallas.kernels import runtime, slot_rows, student_scores
 from csa_pallas.kernels import student_gather as sg
+from kernel_cases import compiled_pallas_calls
 
 FAST = {"xla_backend_optimization_level": 0}  # CPU compiles of the interpreted kernels dominate
 
@@ -137,14 +137,6 @@ def test_config_and_vmem_budget():
     assert sg.default_config(num_blocks=1 << 20, heads=64, head_dim=128, width=512) is None
 
 
-def _pallas_calls(jaxpr):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _pallas_calls(sub)
-
-
 def test_declared_hbm_bytes_count_every_fetch():
     """CostEstimate.bytes_accessed is each operand's and result's HBM bytes once, plus the resident keys once more
     per extra fetch: the backward's grid fetches them per TensorCore and batch element, the forward's per batch
@@ -153,7 +145,7 @@ def test_declared_hbm_bytes_count_every_fetch():
     q, kk, w = jnp.ones((b, s, h, d), jnp.bfloat16), jnp.ones((b, n, d), jnp.bfloat16), jnp.ones((b, s, h))
     idx = jnp.zeros((b, s, k), jnp.int32)
     loss = lambda q, kk, w: jnp.sum(sg.scores_of_one_chunk(q, kk, w, idx))
-    calls = {eqn.params["name"]: eqn for eqn in _pallas_calls(
+    calls = {eqn.params["name"]: eqn for eqn in compiled_pallas_calls(
         jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kk, w).jaxpr)}
     nbytes = lambda avals: sum(a.size * a.dtype.itemsize for a in avals)
     one_key_set = (sg.sparse_gather.resident_row_count(n) + sg.ZERO_ROWS) * 128 * 4

@@ -117,6 +117,17 @@ def VARIANTS_RATIO(a):  # noqa: N802 - the ratio the case was built with (N = S 
     return a["q"].shape[1] // a["compressed_kv"].shape[1]
 
 
+def loss_and_grad(name):
+    """The variant's loss + gradient wrt the logits, forced to its config (a function of `arrays_for(name)`)."""
+    config = config_of(name)
+
+    def run(a):
+        loss = lambda x: csa_pallas.indexer_distill_loss(x, a["q"], a["compressed_kv"], head_chunk=config.get(
+            "head_chunk"), implementation="pallas", config=config, **call_kwargs(a))
+        return jax.value_and_grad(loss)(a["logits"])
+    return run
+
+
 def config_of(name):
     """The forced config (the gather path has no head chunk: it computes all heads of a query at once)."""
     _, case_kw, overrides, _ = VARIANTS[name]

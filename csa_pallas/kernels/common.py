@@ -111,6 +111,12 @@ def key_meta(segments, ends, padded_len: int, pad_end):
     return meta.at[:, 0, :].set(segments).at[:, 1, :].set(ends)
 
 
+def ids_metadata_bytes(query_rows: int, key_blocks: int, block_k: int) -> int:
+    """HBM bytes of reading the ids metadata: `query_rows` rows of qmeta (int32 [.., 128] each, `query_meta`) and
+    `key_blocks` fetched [8, block_k] int32 blocks of kmeta (`key_meta`); for the kernels' cost estimates."""
+    return 4 * (query_rows * LANES + key_blocks * SUBLANES * block_k)
+
+
 @dataclasses.dataclass(frozen=True)
 class RowLayout:
     """How the hc heads x bq queries of one grid step are laid out as matmul rows.

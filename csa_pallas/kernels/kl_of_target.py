@@ -128,7 +128,7 @@ def _cost(target, logits, schedule: schedule_lib.TileSchedule, *, target_mask: b
     moved = elements * (target.dtype.itemsize + logits.dtype.itemsize) + rowstats_bytes
     if not target_mask:
         kmeta_fetches = b * schedule.nq * schedule.nk if backward else tiles
-        moved += 4 * (b * s_p * common.LANES + kmeta_fetches * common.SUBLANES * schedule.block_k)
+        moved += common.ids_metadata_bytes(b * s_p, kmeta_fetches, schedule.block_k)
     if backward:
         moved += b * s_p * n_p * logits.dtype.itemsize
     # forward: max, exp, two products and a log per element; backward: an exp and three products

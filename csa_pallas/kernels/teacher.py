@@ -240,7 +240,7 @@ def cost_estimate(q, kv, schedule: schedule_lib.TileSchedule, *, batch: int, hea
     kv_bytes = tiles * nh * matmuls * schedule.block_k * d * kv.dtype.itemsize
     meta_bytes = 0
     if metadata:
-        meta_bytes = 4 * nh * (batch * s_p * common.LANES + tiles * matmuls * common.SUBLANES * schedule.block_k)
+        meta_bytes = common.ids_metadata_bytes(nh * batch * s_p, nh * tiles * matmuls, schedule.block_k)
     if key_row:
         meta_bytes += 4 * batch * common.SUBLANES * schedule.nk * schedule.block_k
     stats_bytes = lse_inputs * batch * s_p * (h + common.SUBLANES) * 4  # the rebased LSE input and its row shift

@@ -205,7 +205,7 @@ def _hbm_bytes(q, window_kv, *, bk: int, nq: int, nh: int, band: int, tiles: int
     fetches = b * nq * nh * common.cdiv(band, tiles) * tiles
     moved = q.size * q.dtype.itemsize + fetches * bk * d * window_kv.dtype.itemsize + b * s_p * h * 4
     if ids:
-        moved += 4 * (b * s_p * common.LANES + fetches * common.SUBLANES * bk)
+        moved += common.ids_metadata_bytes(b * s_p, fetches, bk)
     if sinks:
         moved += b * s_p * h * 4
     return moved
