@@ -124,6 +124,34 @@ def test_index_head_chunks_agree_and_bf16_inputs():
         check(c, kw, "joint", index_head_chunk=chunk)
 
 
+def test_sixteen_bit_gradients_under_a_data_dependent_row_weight_are_rounded_twice():
+    """bf16 inputs, "mean" over the non-empty rows of a loss-masked problem (a data-dependent weight w = scale / n):
+    the Pallas path's kernels write d sum_t KL_t in bf16 (one rounding, exactly the "sum" reduction's gradient) and
+    the custom_vjp's backward scales it by w (a second rounding), so each entry of d index_q and d index_weights is
+    w times the "sum" gradient rounded once more and within two roundings of the oracle; d index_k (summed over
+    query tiles in f32) and the XLA reference round once (`check`'s `roundings`; README, "16-bit gradients")."""
+    c, kw = make_student_case(5, batch=2, seq=32, index_heads=3, dtype=jnp.bfloat16, loss_mask=True)
+    check(c, kw, "per_head", implementation="xla")
+    check(c, kw, "per_head", implementation="pallas")
+    scale = 1.3
+    _, sums = loss_and_grads(c, kw, target="per_head", reduction="sum", scale=1.0, implementation="pallas")
+    _, means = loss_and_grads(c, kw, target="per_head", reduction="mean", scale=scale, implementation="pallas")
+    okw = dict({k: np.asarray(v) for k, v in kw.items() if not isinstance(v, (int, float))},
+               compress_ratio=kw["compress_ratio"], window_size=kw["window_size"], target="per_head")
+    args = [np.asarray(c[k], np.float64) for k in ("index_q", "index_k", "index_weights", "q", "compressed_kv")]
+    rows = oracle.fused_loss(*args, **okw, reduction="sum") / oracle.fused_loss(*args, **okw, reduction="mean")
+    assert 0 < round(rows) < 64 and abs(rows - round(rows)) < 1e-6, rows  # the non-empty, unmasked rows
+    weight = scale / round(rows)
+    for name, total, mean in zip(("index_q", "index_weights"), (sums[0], sums[2]), (means[0], means[2])):
+        scaled = weight * np.asarray(total, np.float64)
+        err = np.abs(np.asarray(mean, np.float64) - scaled)
+        assert np.all(err <= (2.0 ** -8 + 2.0 ** -20) * np.abs(scaled) + 1e-30), name
+    # index_k's gradient is summed over the query tiles in f32 and rounded once, after the weight
+    want = oracle.fused_loss_grads(*args, **okw, reduction="mean", scale=scale)[1]
+    err = np.abs(np.asarray(means[1], np.float64) - want)
+    assert np.all(err <= 2.0 ** -8 * np.abs(want) + 1e-6 * np.max(np.abs(want))), np.max(err)
+
+
 def test_relu_ties_at_zero_take_the_indicator():
     """q_I . k_I exactly 0 (orthogonal integer vectors): the ReLU's derivative there is 0 (SPEC §8)."""
     c, kw = make_student_case(3, index_heads=2, index_dim=16)
