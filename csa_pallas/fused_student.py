@@ -85,6 +85,7 @@ class _Chunks:
     # the fused KL kernel writes G times it, so the gradients come out final (a constant-1 cotangent is free).
     row_weight: float = 1.0
     poison_rows: bool = False  # compressed_kv as given: the chunks make the readers of a non-finite block NaN
+    key_dtype: object = jnp.float32  # index_k's values (`Student.key_values_dtype`): decides the MXU operands
 
 
 def _stack_chunks(x, num_chunks: int, chunk: int):
@@ -100,8 +101,8 @@ def _unstack_chunks(x):
 
 def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, with_gradient: bool):
     """Per-row KL [B, S] and non-empty rows [B, S] (differentiable by JAX, each step rematerialised); with_gradient:
-    also d sum_t KL_t / d (index_q, index_k, index_weights), computed in this pass (index_q's dtype; index_k f32
-    for the student kernels, its own dtype for the XLA student; index_weights' dtype)."""
+    also d sum_t KL_t / d (index_q, index_k, index_weights), computed in this pass (index_q's dtype; index_k's,
+    f32, summed over the chunks in f32; index_weights' dtype). index_k: f32 (`student.with_f32_keys`)."""
     problem = dataclasses.replace(ctx.template, **teacher)
     _, block_end = reference.block_keys(problem)
     rows = {name: teacher[name] for name in _ROW_FIELDS if name in teacher}
@@ -109,7 +110,7 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
     kernels = ctx.kernel_config is not None
     # The student kernels' keys, padded and cast once for every chunk (`student_scores.Keys`): f32 (an exact
     # upcast) so their cotangent sums over chunks in f32; the MXU takes bf16 when both indexer inputs are bf16.
-    operands = student_scores.operand_dtype(index_q.dtype, index_k.dtype)
+    operands = student_scores.operand_dtype(index_q.dtype, ctx.key_dtype)
     gathers = isinstance(ctx.kernel_config, student_gather.StudentGatherConfig)
     visit = problem.sparse and kernels and not gathers  # the KL over blocks (`sparse_blocks`)
     if gathers:  # sparse: index_k resident in VMEM, f32 (its cotangent sums over chunks in f32)
@@ -134,7 +135,8 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
 
     def student_fn(part, shard, q_rows, k, w_rows):
         if not kernels:
-            return student_lib.scores(student_lib.Student(q_rows, k, w_rows, ctx.index_head_chunk), shard)
+            return student_lib.scores(student_lib.Student(q_rows, k, w_rows, ctx.index_head_chunk, ctx.key_dtype),
+                                      shard)
         if gathers:
             return student_gather.scores(q_rows, k, w_rows, part["topk_indices"], operands, ctx.kernel_config)
         k = dataclasses.replace(prepared, padded=k, operand=lax.stop_gradient(prepared.operand))
@@ -290,13 +292,14 @@ def _prepare(st: student_lib.Student, problem: Problem, query_chunk, student, ro
     teacher = {name: getattr(problem, name) for name in _ARRAY_FIELDS if getattr(problem, name) is not None}
     template = dataclasses.replace(problem, **dict.fromkeys(_ARRAY_FIELDS))
     return _Chunks(template, problem.seq_len // chunk, chunk, kernel_cfg, st.head_chunk, row_weight,
-                   poison_rows), teacher
+                   poison_rows, st.key_values_dtype), teacher
 
 
 def kl_total(st: student_lib.Student, problem: Problem, *, query_chunk: Optional[int] = None, student="auto",
              row_weight: float = 1.0):
     """(row_weight * sum_t KL_t f32 scalar, non-empty rows bool [B, S]): the gradient taken in the forward pass
     (module docstring); what every scalar reduction is made of. row_weight: a static number (see `_Chunks`)."""
+    st = student_lib.with_f32_keys(st)  # index_k's cotangent sums over the chunks in f32, rounded once
     ctx, teacher = _prepare(st, problem, query_chunk, student, row_weight)
     return _kl_sum(ctx, st.index_q, st.index_k, st.index_weights, teacher)
 
@@ -304,6 +307,7 @@ def kl_total(st: student_lib.Student, problem: Problem, *, query_chunk: Optional
 def kl_rows(st: student_lib.Student, problem: Problem, *, query_chunk: Optional[int] = None, student="auto"):
     """(per-row KL f32 [B, S], non-empty rows bool [B, S]), differentiated through the rematerialised scan (for
     per-row cotangents)."""
+    st = student_lib.with_f32_keys(st)  # index_k's cotangent sums over the chunks in f32, rounded once
     ctx, teacher = _prepare(st, problem, query_chunk, student)
     return _scan_rows(ctx, st.index_q, st.index_k, st.index_weights, teacher, with_gradient=False)
 

@@ -39,7 +39,8 @@ def _owned_rows_scores(st: student_lib.Student, rows_problem, start, student):
     """The student's scores of the rows a head shard owns (rows_problem: their ids): f32 [B, rows, W]."""
     rows = rows_problem.seq_len
     take = lambda x: lax.dynamic_slice_in_dim(x, start, rows, axis=1)
-    owned = student_lib.Student(take(st.index_q), st.index_k, take(st.index_weights), st.head_chunk)
+    owned = student_lib.Student(take(st.index_q), st.index_k, take(st.index_weights), st.head_chunk, st.key_dtype)
+    operand = student_scores.operand_dtype(st.index_q.dtype, st.key_values_dtype)
     if rows_problem.sparse:
         cfg = student_plan.slot_order_config(student, rows_problem, st.index_q.shape)
     else:
@@ -47,11 +48,11 @@ def _owned_rows_scores(st: student_lib.Student, rows_problem, start, student):
     if cfg is None:
         return student_lib.scores(owned, rows_problem)
     if rows_problem.sparse:
-        return student_gather.scores_of_one_chunk(owned.index_q, owned.index_k, owned.index_weights,
-                                                  rows_problem.topk_indices, cfg)
+        return student_gather.scores(owned.index_q, student_gather.resident_keys(owned.index_k),
+                                     owned.index_weights, rows_problem.topk_indices, operand, cfg)
     _, block_end = reference.block_keys(rows_problem)
-    return student_scores.scores(owned.index_q, owned.index_k, owned.index_weights, rows_problem.positions,
-                                 block_end, cfg)
+    return student_scores.scores(owned.index_q, student_scores.prepare_keys(owned.index_k, cfg, operand),
+                                 owned.index_weights, rows_problem.positions, block_end, cfg)
 
 
 def _owned_gather_config(st: student_lib.Student, rows_problem, student):
@@ -92,7 +93,7 @@ def _owned_rows_kl_total(st: student_lib.Student, rows_problem, start, cfg, targ
     """`_owned_kl_total` of the rows a head shard owns, from the device's whole student."""
     rows = rows_problem.seq_len
     take = lambda x: lax.dynamic_slice_in_dim(x, start, rows, axis=1)
-    operand = student_scores.operand_dtype(st.index_q.dtype, st.index_k.dtype)
+    operand = student_scores.operand_dtype(st.index_q.dtype, st.key_values_dtype)
     return _owned_kl_total(cfg, operand, layout, take(st.index_q), student_gather.resident_keys(st.index_k),
                            take(st.index_weights), rows_problem.topk_indices, target)
 
@@ -143,6 +144,9 @@ def sharded_fused_indexer_distill_loss(
     if index_head_chunk is None:
         st = student_lib.Student(st.index_q, st.index_k, st.index_weights,
                                  student_plan.default_index_head_chunk(st.num_heads, problem.sparse))
+    # index_k enters every device in f32 (exact): its cotangent is summed over the devices it is replicated on in
+    # f32 and rounded to index_k's dtype once, after the sum (SPEC §6: all accumulation in f32).
+    st = student_lib.with_f32_keys(st)
     num_seq_shards, num_head_shards = sharding._axis_size(mesh, seq_axis), sharding._axis_size(mesh, head_axis)
     arrays, specs = sharding._shard_inputs(problem, axes)
     arrays.update(index_q=st.index_q, index_k=st.index_k, index_weights=st.index_weights)
@@ -152,7 +156,8 @@ def sharded_fused_indexer_distill_loss(
     per_row = reduction == "none"
 
     def per_shard(local):
-        local_st = student_lib.Student(local["index_q"], local["index_k"], local["index_weights"], st.head_chunk)
+        local_st = student_lib.Student(local["index_q"], local["index_k"], local["index_weights"], st.head_chunk,
+                                       st.key_dtype)
         if axes.heads is None:
             shard = sharding._local_problem(local, problem, axes, num_seq_shards)
             if per_row:

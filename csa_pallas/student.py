@@ -32,10 +32,26 @@ class Student:
     index_k: jax.Array  # [B, N, d_I]
     index_weights: jax.Array  # [B, S, H_I]
     head_chunk: int  # indexer heads per scan step (a divisor of H_I)
+    key_dtype: object = None  # the dtype index_k's values come in when it was upcast (`with_f32_keys`); None: its own
 
     @property
     def num_heads(self) -> int:
         return self.index_q.shape[2]
+
+    @property
+    def key_values_dtype(self):
+        """The dtype of index_k's values, which decides the MXU operands (`_splits`, `student_scores.operand_dtype`)."""
+        return jnp.dtype(self.index_k.dtype if self.key_dtype is None else self.key_dtype)
+
+
+def with_f32_keys(student: Student) -> Student:
+    """The student with index_k upcast to f32 (exact), its values' dtype kept in key_dtype: for a caller that sums
+    index_k's cotangent over query chunks or devices, so the sum runs in f32 and the gradient is rounded to index_k's
+    dtype once, by the upcast's transpose (SPEC §6: all accumulation in f32)."""
+    if student.index_k.dtype == jnp.float32:
+        return student
+    return dataclasses.replace(student, index_k=student.index_k.astype(jnp.float32),
+                               key_dtype=student.key_values_dtype)
 
 
 def validate_student(index_q, index_k, index_weights, *, batch: Optional[int] = None, seq_len: Optional[int] = None,
@@ -87,13 +103,13 @@ def _compute_dtype(student: Student, matmul: str):
     cotangents are not rounded either (what SPEC §6 asks). "native": the inputs' own dtype at the MXU's default
     precision with f32 accumulation - MaxText's numerics (its backward rounds the f32 cotangents of the scores to
     bf16), several times cheaper on a TPU; the benchmarks' baseline indexer."""
-    dt = jnp.promote_types(student.index_q.dtype, student.index_k.dtype)
+    dt = jnp.promote_types(student.index_q.dtype, student.key_values_dtype)
     return jnp.float32 if matmul == "exact" or dt == jnp.float16 else dt
 
 
 def _splits(student: Student, matmul: str) -> bool:
     """"exact" with bf16 indexer queries and keys: `_split_dots` (as exact, a third of the MXU passes)."""
-    return matmul == "exact" and student.index_q.dtype == jnp.bfloat16 and student.index_k.dtype == jnp.bfloat16
+    return matmul == "exact" and student.index_q.dtype == jnp.bfloat16 and student.key_values_dtype == jnp.bfloat16
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -297,3 +297,35 @@ def test_teacher_config_errors_name_the_field(change, error, match):
                                                                     target="per_head", reduction="sum", **options)
     with pytest.raises(error, match=match):
         jax.eval_shape(jax.value_and_grad(loss, argnums=(0, 1, 2)), c["index_q"], c["index_k"], c["index_weights"])
+
+
+@pytest.mark.parametrize("student, topk, reduction", [
+    ("xla", None, "sum"), ("xla", 7, "mean_all"), ("pallas", None, "sum"),
+    (StudentGatherConfig(block_q=8), 7, "sum")], ids=["xla", "xla_sparse", "kernels", "gather"])
+def test_bf16_index_k_gradient_sums_over_the_chunks_in_f32(student, topk, reduction):
+    """bf16 indexer inputs over eight query chunks: index_k's cotangent is summed over the chunks in f32 and rounded
+    to bf16 once (`student.with_f32_keys`), so it is within one rounding of the oracle (`check`). Until this round
+    the XLA student rounded each chunk's d index_k to bf16 and summed the chunks in bf16 (SPEC §6: all
+    accumulation in f32): 7.6e-3 of the gradient's max off at S = 112 in chunks of 8 (a randomised sweep)."""
+    c, kw = make_student_case(21, batch=1, seq=64, index_heads=2, topk=topk, dtype=jnp.bfloat16)
+    check(c, kw, "per_head", implementation="pallas", reduction=reduction, student=student, query_chunk=8)
+
+
+@pytest.mark.parametrize("student", ["xla", "pallas"])
+def test_bf16_index_k_gradient_of_per_row_losses_sums_over_the_chunks_in_f32(student):
+    """reduction="none" through the rematerialised scan: index_k's cotangent accumulates over the chunks in f32
+    (the scan's carry of a closed-over f32 index_k), one rounding to bf16 at the end, as the reference."""
+    c, kw = make_student_case(22, batch=1, seq=64, index_heads=2, dtype=jnp.bfloat16)
+    weights = jnp.asarray(np.random.default_rng(0).random((1, 64)), jnp.float32)
+
+    def grad_k(implementation, **options):
+        def f(ik):
+            rows = csa_pallas.fused_indexer_distill_loss(c["index_q"], ik, c["index_weights"], c["q"],
+                                                         c["compressed_kv"], **kw, target="per_head",
+                                                         reduction="none", implementation=implementation, **options)
+            return jnp.sum(rows * weights)
+        return np.asarray(jax.jit(jax.grad(f), compiler_options=FAST)(c["index_k"]), np.float64)
+
+    got, want = grad_k("pallas", student=student, query_chunk=8), grad_k("xla")
+    # both the f32 sum rounded once: at most one bf16 ulp apart (the f32 sums differ by their own roundings)
+    assert np.all(np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 1e-6 * np.max(np.abs(want)))
