@@ -3,7 +3,8 @@
 
 `make_student_case` draws the indexer's and the teacher's inputs (packing, loss_mask, top-k with out-of-range and
 empty slots); `check` runs `fused_indexer_distill_loss` under `jax.value_and_grad` and asserts the loss within 1e-6
-and each of the three indexer gradients within 1e-6 of its max (bf16 inputs: their gradient rounded once).
+and each of the three indexer gradients within 1e-6 of its max (16-bit inputs: their gradient rounded once, or
+twice where `roundings` says).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def roundings(kw, implementation, reduction) -> int:
 
 def check(c, kw, target, *, implementation="xla", reduction="mean", scale=1.3, index_head_chunk=None, **options):
     """`fused_indexer_distill_loss` on the case `c`, `kw` (`make_student_case`) against the float64 oracle: the loss
-    within TOL, each gradient in index_q's dtype within TOL of its max (bf16: one rounding) plus the entry's f32
+    within TOL, each gradient in index_q's dtype within TOL of its max (16-bit: `roundings`) plus the entry's f32
     rounding allowance."""
     value, grads = loss_and_grads(c, kw, target=target, reduction=reduction, scale=scale,
                                    implementation=implementation, index_head_chunk=index_head_chunk, **options)
