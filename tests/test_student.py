@@ -23,7 +23,7 @@ import csa_pallas
 import oracle
 from csa_pallas.kernels import student_scores as sk
 from csa_pallas.kernels.student_gather import StudentGatherConfig
-from student_cases import check, loss_and_grads, make_student_case
+from student_cases import check, loss_and_grads, make_student_case, oracle_kw
 
 
 @pytest.mark.parametrize("target", ["per_head", "joint"])
@@ -136,10 +136,9 @@ def test_sixteen_bit_gradients_under_a_data_dependent_row_weight_are_rounded_twi
     scale = 1.3
     _, sums = loss_and_grads(c, kw, target="per_head", reduction="sum", scale=1.0, implementation="pallas")
     _, means = loss_and_grads(c, kw, target="per_head", reduction="mean", scale=scale, implementation="pallas")
-    okw = dict({k: np.asarray(v) for k, v in kw.items() if not isinstance(v, (int, float))},
-               compress_ratio=kw["compress_ratio"], window_size=kw["window_size"], target="per_head")
     args = [np.asarray(c[k], np.float64) for k in ("index_q", "index_k", "index_weights", "q", "compressed_kv")]
-    rows = oracle.fused_loss(*args, **okw, reduction="sum") / oracle.fused_loss(*args, **okw, reduction="mean")
+    rows = (oracle.fused_loss(*args, **oracle_kw(kw, "per_head", "sum"))
+            / oracle.fused_loss(*args, **oracle_kw(kw, "per_head", "mean")))
     assert 0 < round(rows) < 64 and abs(rows - round(rows)) < 1e-6, rows  # the non-empty, unmasked rows
     weight = scale / round(rows)
     for name, total, mean in zip(("index_q", "index_weights"), (sums[0], sums[2]), (means[0], means[2])):
@@ -147,7 +146,7 @@ def test_sixteen_bit_gradients_under_a_data_dependent_row_weight_are_rounded_twi
         err = np.abs(np.asarray(mean, np.float64) - scaled)
         assert np.all(err <= (2.0 ** -8 + 2.0 ** -20) * np.abs(scaled) + 1e-30), name
     # index_k's gradient is summed over the query tiles in f32 and rounded once, after the weight
-    want = oracle.fused_loss_grads(*args, **okw, reduction="mean", scale=scale)[1]
+    want = oracle.fused_loss_grads(*args, **oracle_kw(kw, "per_head", "mean", scale))[1]
     err = np.abs(np.asarray(means[1], np.float64) - want)
     assert np.all(err <= 2.0 ** -8 * np.abs(want) + 1e-6 * np.max(np.abs(want))), np.max(err)
 
