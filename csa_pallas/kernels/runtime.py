@@ -10,6 +10,9 @@ branch is the compiled call's jaxpr with `interpret` set (tracing it twice made 
 its unrolled loops rolled (`rolled`: a loop Mosaic must see straight-line is written `fori_loop(..., unroll=True)`,
 which the interpreter would otherwise discharge, lower and compile once per iteration).
 
+Under `jax.vmap` every kernel call batches by the rule of `_vmappable` (once per element in turn, or in the grid
+where Pallas's own rule is safe), so a vmapped loss compiles for v5p (`tests/test_vmap.py`).
+
 `interpret_override(...)` pins the mode of the calls traced inside it (tests use it for
 `pltpu.InterpretParams(detect_races=True, ...)`); `compiling_for_tpu()` pins compiled kernels (kept for callers
 of earlier versions; no longer needed for AOT compiles).
@@ -57,14 +60,20 @@ def interpret_mode():
     return FOLLOW_PLATFORM if forced is None else forced
 
 
-def pallas_call(kernel, *, interpret, **kwargs) -> Callable:
-    """`pl.pallas_call(kernel, **kwargs)` in the given mode; FOLLOW_PLATFORM stages both modes and lets lowering
-    pick: Mosaic for TPU, the interpreter for every other platform."""
-    compiled = pl.pallas_call(kernel, interpret=False, **kwargs)
-    if interpret is False:
-        return compiled
+def pallas_call(kernel, *, interpret, grid_spec=None, grid_batching: bool = False, **kwargs) -> Callable:
+    """`pl.pallas_call(kernel, grid_spec=grid_spec, **kwargs)` in the given mode; FOLLOW_PLATFORM stages both modes
+    and lets lowering pick: Mosaic for TPU, the interpreter for every other platform.
 
-    def call(*args):
+    grid_spec: a grid spec, or a function of the call's arguments returning one (a grid whose extent is read from
+    them, e.g. the listed walk's longest list), so that no traced value is closed over. Under `jax.vmap` see
+    `_vmappable`; grid_batching=True lets Pallas's own rule batch the call in its grid where it can (the kernel
+    then runs once for every element, reading each in place), which only kernels whose refs keep their rank
+    (no reinterpreting bitcast, no whole-array HBM operands) and whose grid is static may ask for."""
+    def launch(*args):
+        spec = grid_spec(*args) if callable(grid_spec) else grid_spec
+        compiled = pl.pallas_call(kernel, interpret=False, grid_spec=spec, **kwargs)
+        if interpret is False:
+            return compiled(*args)
         # The kernel is traced once (the compiled call's jaxpr); the interpreted branch is the same jaxpr with
         # `interpret` set, so the two branches do not trace the kernel body twice.
         closed, out_shapes = jax.make_jaxpr(compiled, return_shape=True)(*args)
@@ -73,6 +82,40 @@ def pallas_call(kernel, *, interpret, **kwargs) -> Callable:
         if interpret is not FOLLOW_PLATFORM:  # pinned: the interpreter (True or `pltpu.InterpretParams`)
             return as_fun(_with_interpret(closed, interpret))(*args)
         return jax.lax.platform_dependent(*args, tpu=as_fun(closed), default=as_fun(_with_interpret(closed)))
+
+    prefetched = 0 if callable(grid_spec) else getattr(grid_spec, "num_scalar_prefetch", 0)
+    return _vmappable(launch, in_grid=grid_batching and not callable(grid_spec), prefetched=prefetched)
+
+
+def _vmappable(launch: Callable, *, in_grid: bool, prefetched: int) -> Callable:
+    """`launch` with a batching rule of its own: a vmapped kernel runs **once per element, in turn**.
+
+    Why not Pallas's rule: it adds the batch to the grid, which breaks kernels that reinterpret a ref (a bitcast
+    of a block that gained a dimension fails Mosaic's verifier: the student kernels) or index whole HBM operands,
+    and where a scalar-prefetched table is batched it falls back to a loop in which XLA fuses the stacking of the
+    outputs into the kernel's custom call and drops the kernel's own VMEM limit for its 16 MiB default (the sparse
+    teacher at S = 4K needs 22 MiB: a v5p compile error). Here each element's kernel is the unbatched kernel on
+    that element's slices, its outputs behind an optimization barrier, in a `lax.map`: what the same program
+    written with `lax.map` does. The cost is the slices: XLA copies each batched operand's element before a
+    launch (the price of any loop over stacked arrays). With `in_grid` and no batched scalar-prefetch operand,
+    Pallas's rule is used (no copies)."""
+    call = jax.custom_batching.custom_vmap(launch)
+
+    @call.def_vmap
+    def in_turn(axis_size, in_batched, *args):
+        if in_grid and not any(in_batched[:prefetched]):
+            out = jax.vmap(launch, in_axes=[0 if batched else None for batched in in_batched])(*args)
+            return out, jax.tree.map(lambda _: True, out)
+
+        def one(i):
+            element = [arg[i] if batched else arg for arg, batched in zip(args, in_batched)]
+            return jax.lax.optimization_barrier(call(*element))  # call: a nested vmap batches it again
+        if axis_size == 1:  # e.g. a vmapped axis sharded one element per device: a reshape, no loop, no copy
+            element = [arg[0] if batched else arg for arg, batched in zip(args, in_batched)]
+            out = jax.tree.map(lambda x: x[None], call(*element))
+        else:
+            out = jax.lax.map(one, jax.numpy.arange(axis_size))
+        return out, jax.tree.map(lambda _: True, out)
     return call
 
 

@@ -194,15 +194,15 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
                                scale=scale, normalize=normalize, straight_pass2=straight_pass2, kl=kl,
                                seq_len=seq_len, sel=sel)
     order = "tok" if layout.token_major else "head"
+
+    def grid_spec(firsts, counts, *rest):  # listed: the step extent is read from the counts (a dynamic grid)
+        return pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2 if sel is None else 3,
+                                            grid=(b * walk.rows, nh, walk.grid_steps(counts)),
+                                            in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
     return runtime.pallas_call(
         kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2 if sel is None else 3,
-            grid=(b * walk.rows, nh, walk.grid_steps(counts)),  # listed: a dynamic extent
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=scratch,
-        ),
+        grid_spec=grid_spec if schedule.listed else grid_spec(firsts, counts),
+        grid_batching=sel is None,  # the dense teacher's refs keep their rank; its tables batch only when packed
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
