@@ -192,7 +192,6 @@ def kl_forward_pallas(target, logits, qmeta, kmeta, firsts, counts, *, schedule:
         cost_estimate=_cost(target, logits, schedule, target_mask=target_mask, backward=False,
                             rowstats_bytes=b * nq * STAT_ROWS * bq * 4),
         interpret=interpret,
-        grid_batching=True,  # under jax.vmap: the batch in the grid (see runtime.pallas_call)
         name=f"csa_kl_fwd_bq{bq}_bk{bk}{'_sparse' if target_mask else ''}",
     )(firsts, counts, *operands)
 
@@ -283,6 +282,5 @@ def kl_backward_pallas(target, logits, qmeta, kmeta, firsts, counts, rowstats, *
         cost_estimate=_cost(target, logits, schedule, target_mask=target_mask, backward=True,
                             rowstats_bytes=rowstats.size * 4),
         interpret=interpret,
-        grid_batching=True,  # under jax.vmap: the batch in the grid (see runtime.pallas_call)
         name=f"csa_kl_bwd_bq{bq}_bk{bk}{'_sparse' if target_mask else ''}",
     )(firsts, counts, *operands)

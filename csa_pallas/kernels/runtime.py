@@ -10,8 +10,8 @@ branch is the compiled call's jaxpr with `interpret` set (tracing it twice made 
 its unrolled loops rolled (`rolled`: a loop Mosaic must see straight-line is written `fori_loop(..., unroll=True)`,
 which the interpreter would otherwise discharge, lower and compile once per iteration).
 
-Under `jax.vmap` every kernel call batches by the rule of `_vmappable` (once per element in turn, or in the grid
-where Pallas's own rule is safe), so a vmapped loss compiles for v5p (`tests/test_vmap.py`).
+Under `jax.vmap` every kernel call batches by the rule of `_KernelCall.vmappable` (once per element in turn, each
+element of a blocked operand read in place), so a vmapped loss compiles for v5p (`tests/test_vmap.py`).
 
 `interpret_override(...)` pins the mode of the calls traced inside it (tests use it for
 `pltpu.InterpretParams(detect_races=True, ...)`); `compiling_for_tpu()` pins compiled kernels (kept for callers
@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.extend.core as jex_core
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 # interpret_mode() when nothing is pinned: the lowering platform decides (see `pallas_call`).
 FOLLOW_PLATFORM = "follow-the-lowering-platform"
@@ -60,63 +63,139 @@ def interpret_mode():
     return FOLLOW_PLATFORM if forced is None else forced
 
 
-def pallas_call(kernel, *, interpret, grid_spec=None, grid_batching: bool = False, **kwargs) -> Callable:
+def pallas_call(kernel, *, interpret, grid_spec=None, **kwargs) -> Callable:
     """`pl.pallas_call(kernel, grid_spec=grid_spec, **kwargs)` in the given mode; FOLLOW_PLATFORM stages both modes
-    and lets lowering pick: Mosaic for TPU, the interpreter for every other platform.
+    and lets lowering pick: Mosaic for TPU, the interpreter for every other platform. Under `jax.vmap` the call
+    batches by `_KernelCall`'s rule (once per element, in turn, each element read in place).
 
-    grid_spec: a grid spec, or a function of the call's arguments returning one (a grid whose extent is read from
-    them, e.g. the listed walk's longest list), so that no traced value is closed over. Under `jax.vmap` see
-    `_vmappable`; grid_batching=True lets Pallas's own rule batch the call in its grid where it can (the kernel
-    then runs once for every element, reading each in place), which only kernels whose refs keep their rank
-    (no reinterpreting bitcast, no whole-array HBM operands) and whose grid is static may ask for."""
-    def launch(*args):
-        spec = grid_spec(*args) if callable(grid_spec) else grid_spec
-        compiled = pl.pallas_call(kernel, interpret=False, grid_spec=spec, **kwargs)
-        if interpret is False:
+    grid_spec: a grid spec, or a function of the call's arguments returning one whose grid extent is read from the
+    scalar-prefetch arguments (the listed walk's longest list), so that no traced value is closed over."""
+    return _KernelCall(kernel, interpret, grid_spec, kwargs).vmappable()
+
+
+@dataclasses.dataclass(frozen=True)
+class _KernelCall:
+    """One kernel call: `pl.pallas_call(kernel, grid_spec=..., **kwargs)` staged for the lowering platform."""
+
+    kernel: Callable
+    interpret: object
+    grid_spec: object  # None (grid, in_specs, ... in kwargs), a grid spec, or a function of the arguments
+    kwargs: dict
+
+    def spec(self, args):
+        return self.grid_spec(*args) if callable(self.grid_spec) else self.grid_spec
+
+    def __call__(self, *args):
+        compiled = pl.pallas_call(self.kernel, interpret=False, grid_spec=self.spec(args), **self.kwargs)
+        if self.interpret is False:
             return compiled(*args)
         # The kernel is traced once (the compiled call's jaxpr); the interpreted branch is the same jaxpr with
         # `interpret` set, so the two branches do not trace the kernel body twice.
         closed, out_shapes = jax.make_jaxpr(compiled, return_shape=True)(*args)
         out_tree = jax.tree.structure(out_shapes)
         as_fun = lambda jaxpr: lambda *a: jax.tree.unflatten(out_tree, jex_core.jaxpr_as_fun(jaxpr)(*a))
-        if interpret is not FOLLOW_PLATFORM:  # pinned: the interpreter (True or `pltpu.InterpretParams`)
-            return as_fun(_with_interpret(closed, interpret))(*args)
+        if self.interpret is not FOLLOW_PLATFORM:  # pinned: the interpreter (True or `pltpu.InterpretParams`)
+            return as_fun(_with_interpret(closed, self.interpret))(*args)
         return jax.lax.platform_dependent(*args, tpu=as_fun(closed), default=as_fun(_with_interpret(closed)))
 
-    prefetched = 0 if callable(grid_spec) else getattr(grid_spec, "num_scalar_prefetch", 0)
-    return _vmappable(launch, in_grid=grid_batching and not callable(grid_spec), prefetched=prefetched)
+    def vmappable(self) -> Callable:
+        """The call with a batching rule of its own: a vmapped kernel runs **once per element, in turn**, reading
+        its element of each batched blocked operand in place.
 
+        Why not Pallas's rule (it adds the batch to the grid): it breaks kernels that reinterpret a ref (a bitcast
+        of a block that gained a dimension fails Mosaic's verifier: the student kernels), and where a
+        scalar-prefetched table is batched (every selection, packed documents) it falls back to a loop in which
+        XLA fuses the stacking of the outputs into the kernel's custom call and drops the kernel's VMEM limit for
+        its 16 MiB default (the sparse teacher at S = 4K asks 22 MiB: a v5p compile error). Here each element is
+        one launch of the unbatched kernel (`element`), its outputs behind an optimization barrier, in a
+        `lax.map`; a size-1 axis is squeezed (no loop)."""
+        call = jax.custom_batching.custom_vmap(self)
 
-def _vmappable(launch: Callable, *, in_grid: bool, prefetched: int) -> Callable:
-    """`launch` with a batching rule of its own: a vmapped kernel runs **once per element, in turn**.
-
-    Why not Pallas's rule: it adds the batch to the grid, which breaks kernels that reinterpret a ref (a bitcast
-    of a block that gained a dimension fails Mosaic's verifier: the student kernels) or index whole HBM operands,
-    and where a scalar-prefetched table is batched it falls back to a loop in which XLA fuses the stacking of the
-    outputs into the kernel's custom call and drops the kernel's own VMEM limit for its 16 MiB default (the sparse
-    teacher at S = 4K needs 22 MiB: a v5p compile error). Here each element's kernel is the unbatched kernel on
-    that element's slices, its outputs behind an optimization barrier, in a `lax.map`: what the same program
-    written with `lax.map` does. The cost is the slices: XLA copies each batched operand's element before a
-    launch (the price of any loop over stacked arrays). With `in_grid` and no batched scalar-prefetch operand,
-    Pallas's rule is used (no copies)."""
-    call = jax.custom_batching.custom_vmap(launch)
-
-    @call.def_vmap
-    def in_turn(axis_size, in_batched, *args):
-        if in_grid and not any(in_batched[:prefetched]):
-            out = jax.vmap(launch, in_axes=[0 if batched else None for batched in in_batched])(*args)
+        @call.def_vmap
+        def in_turn(axis_size, in_batched, *args):
+            if axis_size == 1:  # e.g. a vmapped axis sharded one element per device: a reshape, no loop
+                out = call(*[arg[0] if batched else arg for arg, batched in zip(args, in_batched)])
+                return jax.tree.map(lambda x: x[None], out), jax.tree.map(lambda _: True, out)
+            launch, element_args = self.element(args, in_batched)
+            one = lambda i: jax.lax.optimization_barrier(launch(jnp.reshape(i, (1,)).astype(jnp.int32),
+                                                                *element_args(i)))
+            out = jax.lax.map(one, jnp.arange(axis_size))
             return out, jax.tree.map(lambda _: True, out)
+        return call
 
-        def one(i):
-            element = [arg[i] if batched else arg for arg, batched in zip(args, in_batched)]
-            return jax.lax.optimization_barrier(call(*element))  # call: a nested vmap batches it again
-        if axis_size == 1:  # e.g. a vmapped axis sharded one element per device: a reshape, no loop, no copy
-            element = [arg[0] if batched else arg for arg, batched in zip(args, in_batched)]
-            out = jax.tree.map(lambda x: x[None], call(*element))
-        else:
-            out = jax.lax.map(one, jax.numpy.arange(axis_size))
-        return out, jax.tree.map(lambda _: True, out)
-    return call
+    def element(self, args, in_batched):
+        """(launch, element_args): launch(i, *element_args(i)) is the kernel on element i of the batched args, i an
+        int32[1] prepended as a scalar-prefetch argument. A batched operand whose block spec tiles its leading axis
+        exactly is read in place: the element axis is folded into that axis (a free reshape, the rank and so any
+        ref bitcast of the kernel unchanged) and its index map offset by i's blocks. Any other batched argument (a
+        scalar-prefetch table, an HBM ref without a block shape) is sliced: one element copied."""
+        first = [arg[0] if batched else arg for arg, batched in zip(args, in_batched)]
+        spec = self.spec(first)  # the element's grid spec, for its structure (a dynamic extent is recomputed)
+        kw = dict(self.kwargs)
+        if spec is None:
+            spec = pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=0, grid=kw.pop("grid", ()), in_specs=kw.pop("in_specs", pl.no_block_spec),
+                out_specs=kw.pop("out_specs", pl.no_block_spec), scratch_shapes=kw.pop("scratch_shapes", ()))
+        prefetched = getattr(spec, "num_scalar_prefetch", 0)
+        in_specs = [None] * prefetched + (list(spec.in_specs) if spec.in_specs is not pl.no_block_spec
+                                          else [None] * (len(args) - prefetched))
+        # Blocks of one element along the leading axis (the index-map offset per element), or None: sliced.
+        strides = [_element_stride(spec_j, x.shape) if batched else None
+                   for spec_j, x, batched in zip(in_specs, first, in_batched)]
+        grid_rank = len(spec.grid)
+
+        def element_spec(element_args):
+            base = self.spec(element_args) if callable(self.grid_spec) else spec
+            specs = base.in_specs if base.in_specs is pl.no_block_spec else [
+                _with_element(s, grid_rank, strides[prefetched + j]) for j, s in enumerate(base.in_specs)]
+            out_specs = jax.tree.map(lambda s: _with_element(s, grid_rank, None), base.out_specs,
+                                     is_leaf=lambda s: isinstance(s, pl.BlockSpec))
+            return pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=prefetched + 1, grid=base.grid, in_specs=specs,
+                                                out_specs=out_specs, scratch_shapes=base.scratch_shapes)
+
+        if "input_output_aliases" in kw:
+            kw["input_output_aliases"] = {j + 1: o for j, o in kw["input_output_aliases"].items()}
+        kernel = self.kernel
+        rows = [x.shape[0] if x.ndim else None for x in first]
+        launch = _KernelCall(lambda element_ref, *refs: kernel(*refs), self.interpret,
+                             lambda element, *rest: element_spec(
+                                 [r if strides[j] is None else r[:rows[j]] for j, r in enumerate(rest)]),
+                             kw).vmappable()
+
+        def element_args(i):
+            return [(arg.reshape(-1, *arg.shape[2:]) if stride is not None else arg[i]) if batched else arg
+                    for arg, batched, stride in zip(args, in_batched, strides)]
+        return launch, element_args
+
+
+def _element_stride(spec, element_shape) -> int | None:
+    """How many blocks of `spec` one element spans along its leading axis, when it tiles that axis exactly (a
+    squeezed block dimension counts rows); None when the element cannot be read in place."""
+    if not isinstance(spec, pl.BlockSpec) or spec.block_shape is None or spec.index_map is None:
+        return None
+    if not element_shape or spec.memory_space not in (None, pltpu.VMEM, pltpu.SMEM):
+        return None
+    lead, rows = spec.block_shape[0], element_shape[0]
+    if lead is None:
+        return rows
+    if type(lead) is int and rows % lead == 0:
+        return rows // lead
+    return None
+
+
+def _with_element(spec, grid_rank: int, stride: int | None):
+    """`spec` in the element's call, whose index maps also receive the element ref (the first scalar-prefetch ref,
+    after the grid indices): ignored, or with a stride (the array's leading axis holds every element) the block
+    index along that axis offset by the element's `stride` blocks."""
+    if not isinstance(spec, pl.BlockSpec) or spec.index_map is None:
+        return spec
+    index_map = spec.index_map
+
+    def element_index_map(*indices):
+        grid, (element_ref, *refs) = indices[:grid_rank], indices[grid_rank:]
+        lead, *rest = index_map(*grid, *refs)
+        return (lead + element_ref[0] * stride, *rest) if stride is not None else (lead, *rest)
+    return dataclasses.replace(spec, index_map=element_index_map)
 
 
 def _with_interpret(closed, interpret=True):

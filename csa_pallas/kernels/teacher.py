@@ -202,7 +202,6 @@ def teacher_pallas(q, kv, qmeta, kmeta, firsts, counts, lse_in, *, mode: str, cf
     return runtime.pallas_call(
         kernel,
         grid_spec=grid_spec if schedule.listed else grid_spec(firsts, counts),
-        grid_batching=sel is None,  # the dense teacher's refs keep their rank; its tables batch only when packed
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),

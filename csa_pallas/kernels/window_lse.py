@@ -307,7 +307,6 @@ def window_lse_pallas(q, window_kv, qmeta, wmeta, sinks=None, *, cfg: WindowConf
                                                                 tiles=tiles, ids=seq_len is None,
                                                                 sinks=sinks is not None)),
         interpret=interpret,
-        grid_batching=True,  # under jax.vmap: the batch in the grid (see runtime.pallas_call)
         name=f"csa_window_lse_bq{bq}_bk{bk}_hc{hc}_{'tok' if layout.token_major else 'head'}",
     )(*operands)
     # Lane-dense: [B, H, S_p], whose transpose XLA can fold into the result's layout.
