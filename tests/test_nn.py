@@ -1,6 +1,7 @@
 """csa_pallas.nn: the flax wrappers equal the functional API, sow their loss, and reject bad configuration.
 
-Everything runs with implementation="xla" (the wrappers only pass it through; the spy test checks that).
+Everything runs with implementation="xla" (the wrappers only pass it through; the spy test checks that), except
+the Flax-vmap test, which runs the kernels' own batching rule.
 """
 
 import dataclasses
@@ -196,6 +197,32 @@ def test_collect_indexer_losses_under_scan_returns_one_entry_per_layer():
     tree = {"layers_0": {"indexer_loss": (jnp.float32(5.0),)},
             "layers_1": {"indexer_loss": (jnp.asarray([1.0, 2.0, 3.0]),)}}
     np.testing.assert_array_equal(collect_indexer_losses(tree), [5.0, 1.0, 2.0, 3.0])
+
+
+def test_wrappers_under_flax_vmaps_sow_one_loss_per_element():
+    """A stage axis the Flax way (MaxText's pipeline is an nn.vmap of the layer), through the kernels: linen's
+    nn.vmap stacks the sown losses when "intermediates" is among its variable_axes (flax drops a sow into an
+    unlisted collection); nnx.vmap needs nnx.capture inside the vmapped function."""
+    stacked = [_inputs(seed=20 + i) for i in range(2)]
+    logits = jnp.stack([lg for lg, _, _ in stacked])
+    q, ckv = (jnp.stack([arrays[name] for _, arrays, _ in stacked]) for name in ("q", "compressed_kv"))
+    want = [csa_pallas.indexer_distill_loss(logits[i], q[i], ckv[i], target="per_head", implementation=IMPL)
+            for i in range(2)]
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, lg, q, ckv):
+            return CSAIndexerLossLinen(compress_ratio=M, target="per_head", implementation="pallas")(lg, q, ckv)
+    stages = nn.vmap(Layer, in_axes=0, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": False})
+    out, state = jax.jit(lambda *a: stages().apply({}, *a, mutable=["intermediates"]))(logits, q, ckv)
+    np.testing.assert_allclose(out, want, rtol=1e-5)
+    np.testing.assert_allclose(collect_indexer_losses(state["intermediates"]), want, rtol=1e-5)
+
+    module = CSAIndexerLoss(compress_ratio=M, target="per_head", implementation="pallas")
+    per_stage = nnx.vmap(lambda m, *a: nnx.capture(m, nnx.Intermediate)(*a), in_axes=(None, 0, 0, 0))
+    out, inter = per_stage(module, logits, q, ckv)
+    np.testing.assert_allclose(out, want, rtol=1e-5)
+    np.testing.assert_allclose(collect_indexer_losses(inter), want, rtol=1e-5)
 
 
 def test_maxtext_config_masks_padding_segment_zero():
