@@ -105,6 +105,26 @@ def test_vmapped_axis_of_size_one_is_squeezed():
     assert loops(str(jax.make_jaxpr(jax.vmap(fn))(*args))) == loops(str(jax.make_jaxpr(fn)(*[x[0] for x in args])))
 
 
+@pytest.mark.parametrize("op", ["teacher_distribution", "teacher_distribution_sparse", "noncompressed_lse",
+                                "indexer_scores", "indexer_scores_sparse"])
+def test_the_other_public_ops_vmap(op):
+    """The ops that return arrays (P, u, I) batch by the same rule; I's -inf entries included."""
+    a = _stacked()
+    fn, names = {
+        "teacher_distribution": (lambda q, kv, w: csa_pallas.teacher_distribution(
+            q, kv, window_kv=w, window_size=8, implementation="pallas"), ("q", "kv", "window")),
+        "teacher_distribution_sparse": (lambda q, kv, idx: csa_pallas.teacher_distribution(
+            q, kv, topk_indices=idx, target="per_head", implementation="pallas"), ("q", "kv", "topk")),
+        "noncompressed_lse": (lambda q, w: csa_pallas.noncompressed_lse(q, w, window_size=8, implementation="pallas"),
+                              ("q", "window")),
+        "indexer_scores": (lambda iq, ik, iw: csa_pallas.indexer_scores(iq, ik, iw, implementation="pallas"),
+                           ("index_q", "index_k", "index_w")),
+        "indexer_scores_sparse": (lambda iq, ik, iw, idx: csa_pallas.indexer_scores(
+            iq, ik, iw, topk_indices=idx, implementation="pallas"), ("index_q", "index_k", "index_w", "topk")),
+    }[op]
+    _assert_vmap_equals_each_element(fn, tuple(a[name] for name in names))
+
+
 def test_vmapped_loss_with_shared_teacher_inputs():
     """Only the logits batched: q and compressed_kv are shared by every element (not broadcast by the caller)."""
     a = _stacked()
