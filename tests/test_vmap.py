@@ -33,13 +33,13 @@ def _stacked(seed=0):
                               jnp.int32))
 
 
-def _assert_vmap_equals_each_element(fn, args, unbatched=()):
-    """jax.vmap(fn) over the leading axis of `args` (those named in `unbatched` are shared, element 0) against
-    fn on each element."""
+def _assert_vmap_equals_each_element(fn, args, unbatched=(), **vmap_kwargs):
+    """jax.vmap(fn, **vmap_kwargs) over the leading axis of `args` (those named in `unbatched` are shared, element
+    0) against fn on each element."""
     in_axes = [None if i in unbatched else 0 for i in range(len(args))]
     shared = [a[0] if i in unbatched else a for i, a in enumerate(args)]
-    batched = jax.jit(jax.vmap(fn, in_axes=in_axes))(*shared)
-    for element in range(L):
+    batched = jax.jit(jax.vmap(fn, in_axes=in_axes, **vmap_kwargs))(*shared)
+    for element in range(args[in_axes.index(0)].shape[0]):
         one = fn(*[a if i in unbatched else a[element] for i, a in enumerate(shared)])
         for got, want in zip(jax.tree.leaves(batched), jax.tree.leaves(one)):
             np.testing.assert_allclose(got[element], want, rtol=1e-6, atol=1e-7)
@@ -97,10 +97,7 @@ def test_vmapped_axis_of_size_one_is_squeezed():
     fn = lambda x, q, kv, idx, seg, pos: _plain_loss_and_grad(x, q, kv, target="per_head", topk_indices=idx,
                                                               segment_ids=seg, positions=pos)
     args = [a[name][:1] for name in ("sparse_logits", "q", "kv", "topk", "segments", "positions")]
-    loss, grad = jax.jit(jax.vmap(fn))(*args)
-    want_loss, want_grad = fn(*[arg[0] for arg in args])
-    np.testing.assert_allclose(loss[0], want_loss, rtol=1e-6)
-    np.testing.assert_allclose(grad[0], want_grad, rtol=1e-6, atol=1e-7)
+    _assert_vmap_equals_each_element(fn, args)
     loops = lambda text: text.count("while[") + text.count("scan[")
     assert loops(str(jax.make_jaxpr(jax.vmap(fn))(*args))) == loops(str(jax.make_jaxpr(fn)(*[x[0] for x in args])))
 
@@ -172,10 +169,7 @@ def test_vmapped_sharded_loss_over_a_stage_axis_like_maxtexts_pipeline():
     def fn(x, q, kv, idx):
         return jax.value_and_grad(lambda y: csa_pallas.sharded_indexer_distill_loss(
             mesh, y, q, kv, topk_indices=idx, target="per_head", batch_axes="data", head_axis="heads"))(x)
-    batched = jax.jit(jax.vmap(fn, spmd_axis_name="stage"))(*args)
-    for element in range(L):
-        for got, want in zip(batched, fn(*[a[element] for a in args])):
-            np.testing.assert_allclose(got[element], want, rtol=1e-6, atol=1e-7)
+    _assert_vmap_equals_each_element(fn, args, spmd_axis_name="stage")
 
 
 # v5p AOT: the DeepSeek-V4-Flash widths (H = 64, D = 512, bf16), two stacked problems.
@@ -192,8 +186,7 @@ def _flash_structs(seq, width, *, fused=False):
 
 
 def _sparse_loss_and_grad(x, q, kv, idx, window, sinks):
-    return jax.value_and_grad(lambda y: csa_pallas.indexer_distill_loss(
-        y, q, kv, topk_indices=idx, window_kv=window, sinks=sinks, implementation="pallas"))(x)
+    return _plain_loss_and_grad(x, q, kv, topk_indices=idx, window_kv=window, sinks=sinks)
 
 
 def _fused_loss_and_grads(iq, ik, iw, q, kv, idx, window, sinks):
@@ -202,8 +195,7 @@ def _fused_loss_and_grads(iq, ik, iw, q, kv, idx, window, sinks):
 
 
 def _dense_loss_and_grad(x, q, kv, _topk, window, sinks):  # the structs' top-k array is not read
-    return jax.value_and_grad(lambda y: csa_pallas.indexer_distill_loss(
-        y, q, kv, window_kv=window, sinks=sinks, implementation="pallas"))(x)
+    return _plain_loss_and_grad(x, q, kv, window_kv=window, sinks=sinks)
 
 
 def test_vmapped_dense_loss_compiles_for_v5p():

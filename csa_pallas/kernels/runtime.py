@@ -162,9 +162,13 @@ class _KernelCall:
                                  [r if strides[j] is None else r[:rows[j]] for j, r in enumerate(rest)]),
                              kw).vmappable()
 
+        # Folded once, outside the loop: an in-place operand is the same whole array for every element.
+        folded = [arg.reshape(-1, *arg.shape[2:]) if stride is not None else arg
+                  for arg, stride in zip(args, strides)]
+
         def element_args(i):
-            return [(arg.reshape(-1, *arg.shape[2:]) if stride is not None else arg[i]) if batched else arg
-                    for arg, batched, stride in zip(args, in_batched, strides)]
+            return [arg[i] if batched and stride is None else arg
+                    for arg, batched, stride in zip(folded, in_batched, strides)]
         return launch, element_args
 
 
