@@ -3,8 +3,8 @@
 MaxText's AOT flow compiles for a TPU topology on a CPU host with a plain `jax.jit(f).lower(<structs on TPU
 devices>).compile()`. That must give real Mosaic kernels (not the CPU interpreter) with no csa_pallas context, and
 the same jitted function must still interpret on CPU, whichever of the two is lowered first (jit caches one
-jaxpr for both: `kernels.runtime.pallas_call` stages both modes with `lax.platform_dependent`, tracing the kernel
-once).
+jaxpr for both: `kernels.runtime.pallas_call` stages both modes in one call, tracing the kernel once, and each
+form is lowered for its own platforms only, so `jax.export` can also hold both).
 """
 
 import contextlib
@@ -102,6 +102,53 @@ def test_one_jitted_function_interprets_on_cpu_and_compiles_for_tpu_in_either_or
     steps = (on_cpu, for_tpu) if order == "cpu_then_tpu" else (for_tpu, on_cpu)
     for step in steps:
         step()
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_jax_export_for_tpu_for_cpu_and_for_both_in_one_artifact(sparse):
+    """`jax.export` from this CPU host: for TPU (the Mosaic kernels), for CPU (the interpreter, run here and equal
+    to the jitted function bit for bit) and for both at once, whose CPU half runs here and whose TPU half compiles
+    for v5p. Both at once failed while the calls were staged with `lax.platform_dependent`, whose branches are
+    lowered for every platform ("Only interpret mode is supported on CPU backend"); `runtime._per_platform_p`
+    lowers each kernel call's two forms for their own platforms only."""
+    require_libtpu()
+    from jax import export
+    b, s, h, d, k = 1, 256, 4, 128, 16
+    n = s // 4
+    keys = jax.random.split(jax.random.key(3), 4)
+    args = (jax.random.normal(keys[0], (b, s, k if sparse else n), jnp.float32),
+            jax.random.normal(keys[1], (b, s, h, d), jnp.bfloat16),
+            jax.random.normal(keys[2], (b, n, d), jnp.bfloat16),
+            jax.random.randint(keys[3], (b, s, k), -1, n, jnp.int32) if sparse else None)
+    program = jax.jit(_loss_and_grad(sparse))
+    want = program(*args)
+    exported = {platforms: export.export(program, platforms=platforms)(*args)
+                for platforms in [("tpu",), ("cpu",), ("cpu", "tpu")]}
+    for platforms, exp in exported.items():
+        assert (MOSAIC_CALL in exp.mlir_module()) == ("tpu" in platforms), platforms
+        if "cpu" in platforms:
+            got = exp.call(*args)
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    both = exported[("cpu", "tpu")]
+    structs = _on_one_chip(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args if a is not None))
+    compiled = jax.jit(both.call).lower(*structs, *([] if sparse else [None])).compile()
+    assert MOSAIC_CALL in compiled.as_text()
+
+
+def test_a_kernel_call_differentiated_directly_says_what_to_differentiate():
+    """The ops carry their gradients in custom_vjps; a kernel call itself has no derivative (loud, not Pallas's
+    attempt to differentiate a kernel body)."""
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    def program(x):
+        return runtime.pallas_call(double, interpret=runtime.interpret_mode(),
+                                   out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    x = jnp.ones((8, 128), jnp.float32)
+    with pytest.raises(NotImplementedError, match="differentiate the public ops"):
+        jax.jvp(program, (x,), (x,))
 
 
 def test_pinned_modes_still_pin():

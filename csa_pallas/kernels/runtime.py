@@ -1,11 +1,13 @@
 """How kernels run: compiled Mosaic kernels when lowered for TPU, the Pallas interpreter for any other platform.
 
 The choice follows the platform the program is *lowered for*, not the host's default backend: every kernel call
-is staged as `jax.lax.platform_dependent(tpu=<Mosaic kernel>, default=<interpreted kernel>)`, so one jitted
-function (and the jaxpr jit caches) compiles real Mosaic kernels for a TPU topology from a CPU host (MaxText's
-AOT `train_compile` flow: `jax.jit(f).lower(<structs on TPU devices>).compile()`) and interprets on CPU, in either
-order, with no context needed. Only the branch of the lowering platform is lowered, so the compiled TPU program
-holds no interpreter code and the CPU program no Mosaic call. The kernel body is traced once: the interpreted
+is staged as one `csa_pallas_kernel` primitive holding both forms (the Mosaic kernel for TPU, the interpreted
+kernel for any other platform), so one jitted function (and the jaxpr jit caches) compiles real Mosaic kernels
+for a TPU topology from a CPU host (MaxText's AOT `train_compile` flow: `jax.jit(f).lower(<structs on TPU
+devices>).compile()`) and interprets on CPU, in either order, with no context needed. Each form is lowered for its
+own platforms only, so the compiled TPU program holds no interpreter code, the CPU program no Mosaic call, and a
+multi-platform `jax.export(..., platforms=("cpu", "tpu"))` holds both (`lax.platform_dependent`, used before,
+lowers its branches for every platform of the program, and Pallas refuses a compiled kernel for CPU). The kernel body is traced once: the interpreted
 branch is the compiled call's jaxpr with `interpret` set (tracing it twice made tracing a program ~2x slower) and
 its unrolled loops rolled (`rolled`: a loop Mosaic must see straight-line is written `fori_loop(..., unroll=True)`,
 which the interpreter would otherwise discharge, lower and compile once per iteration).
@@ -23,13 +25,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
+from jax._src import dispatch
+from jax._src.interpreters import mlir as jax_mlir
+from jax._src.interpreters import partial_eval as pe
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.interpreters import ad, mlir
 
 # interpret_mode() when nothing is pinned: the lowering platform decides (see `pallas_call`).
 FOLLOW_PLATFORM = "follow-the-lowering-platform"
@@ -96,7 +103,12 @@ class _KernelCall:
         as_fun = lambda jaxpr: lambda *a: jax.tree.unflatten(out_tree, jex_core.jaxpr_as_fun(jaxpr)(*a))
         if self.interpret is not FOLLOW_PLATFORM:  # pinned: the interpreter (True or `pltpu.InterpretParams`)
             return as_fun(_with_interpret(closed, self.interpret))(*args)
-        return jax.lax.platform_dependent(*args, tpu=as_fun(closed), default=as_fun(_with_interpret(closed)))
+        # The jaxpr's constants become its leading arguments: they may be tracers of the caller's trace (the listed
+        # walk's dynamic grid extent), which a primitive's parameters must not hold.
+        opened = jex_core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ())
+        outs = _per_platform_p.bind(*closed.consts, *jax.tree.leaves(args), tpu=opened,
+                                    default=_with_interpret(opened))
+        return jax.tree.unflatten(out_tree, outs)
 
     def vmappable(self) -> Callable:
         """The call with a batching rule of its own: a vmapped kernel runs **once per element, in turn**, reading
@@ -236,3 +248,34 @@ def _rolled_param(value):
     if isinstance(value, (tuple, list)) and any(isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)) for v in value):
         return type(value)(rolled(v) for v in value)
     return rolled(value)
+
+
+# One kernel call, two lowerings: `tpu` (a ClosedJaxpr of the compiled pallas_call) where the program is lowered for
+# TPU, `default` (the same call interpreted) for any other platform. Not `jax.lax.platform_dependent`: its branches
+# are lowered for every platform of the program, so a multi-platform lowering (`jax.export(...,
+# platforms=("cpu", "tpu"))`) asked Pallas to lower the compiled kernel for CPU and failed ("Only interpret mode is
+# supported on CPU backend"). `mlir.lower_per_platform` lowers each rule for its own platforms only.
+_per_platform_p = jex_core.Primitive("csa_pallas_kernel")
+_per_platform_p.multiple_results = True
+_per_platform_p.def_impl(functools.partial(dispatch.apply_primitive, _per_platform_p))
+_per_platform_p.def_effectful_abstract_eval(lambda *avals, tpu, default: (tpu.out_avals, tpu.effects))
+
+
+def _lowering(ctx, *args, tpu, default):
+    as_rule = lambda closed: mlir.lower_fun(jex_core.jaxpr_as_fun(closed), multiple_results=True)  # noqa: E731
+    return jax_mlir.lower_per_platform(ctx, "csa_pallas kernel", {"tpu": as_rule(tpu)}, as_rule(default),
+                                       tpu.effects, *args)
+
+
+mlir.register_lowering(_per_platform_p, _lowering)
+
+
+def _jvp(primals, tangents, *, tpu, default):
+    # The ops differentiate through their custom_vjp / custom_jvp (the teacher's inputs are stop-gradients), so
+    # no kernel call is ever differentiated; batching goes through `_KernelCall.vmappable`'s custom_vmap rule.
+    raise NotImplementedError(
+        "csa_pallas: a kernel call was differentiated directly; differentiate the public ops (their custom_vjp "
+        "carries the gradients), or use implementation='xla'")
+
+
+ad.primitive_jvps[_per_platform_p] = _jvp
