@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from csa_pallas import plans, reference, sparse_blocks, student as student_lib, student_plan, validation
+from csa_pallas import loss_vjp, plans, reference, sparse_blocks, student as student_lib, student_plan, validation
 from csa_pallas.kernels import student_gather, student_gather_kl, student_scores
 from csa_pallas.validation import Problem
 
@@ -244,7 +244,8 @@ def _kl_sum(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict):
 def _kl_sum_fwd(ctx, index_q, index_k, index_weights, teacher):
     kl, nonempty, grads = _scan_rows(ctx, index_q, index_k, index_weights, teacher, with_gradient=True)
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (index_q, index_k, index_weights, teacher))
-    return (ctx.row_weight * jnp.sum(kl), nonempty), (grads, like)
+    outputs, grads = loss_vjp.named_residuals(((ctx.row_weight * jnp.sum(kl), nonempty), grads))
+    return outputs, (grads, like)
 
 
 def _kl_sum_bwd(ctx, residuals, cotangents):
@@ -319,7 +320,7 @@ def loss(st: student_lib.Student, problem: Problem, *, reduction: str, scale, qu
     if reduction == "none":  # a cotangent per row: autodiff through the rematerialised scan
         kl, nonempty = kl_rows(st, problem, query_chunk=query_chunk, student=student)
         return reference.reduce_rows(kl, nonempty, reduction, scale)
-    from csa_pallas import loss_vjp, ops
+    from csa_pallas import ops
     # Every row weighed by one static number (sum, mean_all, mean with default ids): folded into the kernels' G.
     known = None if problem.sparse else ops.static_nonempty_rows(problem)
     weighted = loss_vjp.uniformly_weighted_loss(

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from csa_pallas import reference
 from csa_pallas.kernels import fused_kl
@@ -24,6 +25,19 @@ from csa_pallas.kernels import runtime
 from csa_pallas.kernels import schedule as schedule_lib
 from csa_pallas.kernels import teacher_config
 from csa_pallas.validation import Problem
+
+
+# The checkpoint name of what the kernels' forward passes give the backward: the residuals (G, the KL's gradient
+# with respect to the logits; the heads-sharded loss's P; the fused op's three indexer gradients) and the kernels'
+# own outputs (the rows' statistics, which a data-dependent reduction's backward reads). Under `jax.checkpoint` /
+# `nn.remat` a policy naming it (`save_only_these_names`, or `save_and_offload_only_these_names` to host memory)
+# keeps them, and the backward launches no teacher kernel; any other policy recomputes the loss in the backward.
+RESIDUAL_NAME = "csa_indexer_loss_residuals"
+
+
+def named_residuals(tree):
+    """`tree` with every array marked `checkpoint_name(x, RESIDUAL_NAME)` (identity outside a remat)."""
+    return jax.tree.map(lambda x: checkpoint_name(x, RESIDUAL_NAME), tree)
 
 
 def logits_dtype(indexer_logits):
@@ -56,7 +70,7 @@ def _kl_stats(static: _KLStatic, logits, target, qmeta, kmeta, firsts, counts):
 
 def _kl_stats_fwd(static, logits, target, qmeta, kmeta, firsts, counts):
     stats = _kl_stats(static, logits, target, qmeta, kmeta, firsts, counts)
-    return stats, (logits, target, qmeta, kmeta, firsts, counts, stats)
+    return named_residuals((stats, (logits, target, qmeta, kmeta, firsts, counts, stats)))
 
 
 def _kl_stats_bwd(static, residuals, cotangent):
@@ -136,7 +150,7 @@ def _fused_kl_stats(static: FusedStatic, logits, operands):
 
 def _fused_kl_stats_fwd(static, logits, operands):
     stats, grad = static.launch(True, logits, operands)
-    return stats, grad
+    return named_residuals((stats, grad))
 
 
 def _fused_kl_stats_bwd(static, grad, cotangent):
@@ -163,7 +177,7 @@ def _fused_weighted_loss(static: FusedStatic, logits, operands):
 
 def _fused_weighted_loss_fwd(static, logits, operands):
     stats, grad = static.launch(True, logits, operands)
-    return _weighted_total(static, stats), grad
+    return named_residuals((_weighted_total(static, stats), grad))
 
 
 def _fused_weighted_loss_bwd(static, grad, cotangent):

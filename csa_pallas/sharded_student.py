@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from csa_pallas import api, fused_student, placement, plans, reference, sharding, student as student_lib
-from csa_pallas import student_plan
+from csa_pallas import loss_vjp, student_plan
 from csa_pallas import teacher_args, validation
 from csa_pallas.kernels import student_gather, student_gather_kl, student_scores
 
@@ -77,7 +77,8 @@ def _owned_kl_total(cfg, operand, layout, index_q, keys, index_weights, topk_ind
 def _owned_kl_total_fwd(cfg, operand, layout, index_q, keys, index_weights, topk_indices, target):
     kl, nonempty, grads = student_gather_kl.loss_and_grads(index_q, keys, index_weights, topk_indices, target,
                                                            operand, cfg)
-    return (jnp.sum(kl), nonempty), (grads, jnp.zeros((), index_weights.dtype))  # (its dtype travels as a scalar)
+    outputs, grads = loss_vjp.named_residuals(((jnp.sum(kl), nonempty), grads))
+    return outputs, (grads, jnp.zeros((), index_weights.dtype))  # (index_weights' dtype travels as a scalar)
 
 
 def _owned_kl_total_bwd(cfg, operand, layout, residuals, cotangents):

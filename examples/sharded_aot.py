@@ -6,14 +6,18 @@ from the rules (`csa_pallas.placement`) and runs its Pallas kernels under shard_
 kernels and XLA partitions the rest of the model.
 
     python -m examples.sharded_aot            # v5p:2x2x2, B=8 S=2048 H=16 D=128 (prints memory per device)
+    python -m examples.sharded_aot --remat-policy offload_proj   # the projections offloaded to host memory
 
 Each layer (`Layer`): q = x W_q [B, S, H, D]; per-token keys kv = x W_kv [B, S, D], pooled over m = 4 tokens into
 compressed_kv [B, N, D]; the student logits I = (x W_iq)(compressed_kv W_ik)^T [B, S, N]; the joint-target loss
-with window keys kv and per-head sinks, sown by the module; the layer's output x + (mean_h q) W_o.
+with window keys kv and per-head sinks, sown by the module; the layer's output x + (mean_h q) W_o. q and kv carry
+MaxText's checkpoint names ("query_proj", "key_proj"), which its remat policies save or offload by name
+(`REMAT_POLICIES`), as they can the loss's residuals (`csa_pallas.RESIDUAL_NAME`).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -23,8 +27,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+import csa_pallas  # noqa: E402
 from csa_pallas import aot  # noqa: E402
 from csa_pallas.nn import CSAIndexerLossLinen, collect_indexer_losses  # noqa: E402
 
@@ -32,6 +38,19 @@ from csa_pallas.nn import CSAIndexerLossLinen, collect_indexer_losses  # noqa: E
 LOGICAL_AXIS_RULES = [("activation_batch", ("data", "fsdp")), ("activation_heads", ("tensor",)),
                       ("activation_length", ("context",)), ("activation_embed", None)]
 MESH_AXES = {"data": 2, "fsdp": 2, "tensor": 2}
+# The layer's remat policy, by MaxText's names: "full" saves nothing (the layer, its loss kernels included,
+# recomputed in the backward pass; MaxText's remat_policy "full"); "save_proj" keeps the named projections and the
+# loss's residuals (`csa_pallas.RESIDUAL_NAME`) in HBM, so the backward launches no loss kernel of the forward
+# again; "offload_proj" moves the same to pinned host memory between the passes (MaxText's remat_policy "custom"
+# with those names set to "offload").
+PROJECTIONS = ("query_proj", "key_proj", csa_pallas.RESIDUAL_NAME)
+REMAT_POLICIES = {
+    "full": lambda: None,
+    "save_proj": lambda: jax.checkpoint_policies.save_only_these_names(*PROJECTIONS),
+    "offload_proj": lambda: jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(PROJECTIONS), offload_src="device",
+        offload_dst="pinned_host"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +76,8 @@ class Layer(nn.Module):
         n = t // s.compress_ratio
         q = nn.DenseGeneral((s.heads, s.head_dim), use_bias=False, name="w_q")(x)  # [B, S, H, D]
         q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", None))
-        kv = nn.Dense(s.head_dim, use_bias=False, name="w_kv")(x)  # [B, S, D]
+        q = checkpoint_name(q, "query_proj")
+        kv = checkpoint_name(nn.Dense(s.head_dim, use_bias=False, name="w_kv")(x), "key_proj")  # [B, S, D]
         compressed = kv.reshape(b, n, s.compress_ratio, s.head_dim).mean(axis=2)  # [B, N, D]
         index_q = nn.Dense(s.indexer_dim, use_bias=False, name="w_iq")(x)
         index_k = nn.Dense(s.indexer_dim, use_bias=False, name="w_ik")(compressed)
@@ -73,10 +93,11 @@ class Layer(nn.Module):
 
 class Model(nn.Module):
     shape: Shape
+    remat_policy: str = "full"  # a key of REMAT_POLICIES
 
     @nn.compact
     def __call__(self, x):
-        stack = nn.scan(nn.remat(Layer), variable_axes={"params": 0, "intermediates": 0},
+        stack = nn.scan(nn.remat(Layer, policy=REMAT_POLICIES[self.remat_policy]()), variable_axes={"params": 0, "intermediates": 0},
                         split_rngs={"params": True}, length=self.shape.layers)
         x, _ = stack(self.shape, name="layers")(x, None)
         return x
@@ -91,10 +112,13 @@ def train_step(model: Model, params, x):
     return jax.value_and_grad(loss_fn)(params)
 
 
-def compile_for_slice(shape: Shape = Shape(), topology: str = "v5p:2x2x2", dtype=jnp.bfloat16):
+def compile_for_slice(shape: Shape = Shape(), topology: str = "v5p:2x2x2", dtype=jnp.bfloat16,
+                      remat_policy: str = "full"):
     """AOT-compiles `train_step` for `topology` by the plain jit path; returns the compiled program."""
+    if remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy: expected one of {sorted(REMAT_POLICIES)}, got {remat_policy!r}")
     mesh = aot.tpu_mesh(topology, MESH_AXES)
-    model = Model(shape)
+    model = Model(shape, remat_policy)
     x_struct = jax.ShapeDtypeStruct((shape.batch, shape.seq, shape.embed), dtype)
     params = jax.eval_shape(lambda x: model.init(jax.random.key(0), x)["params"], x_struct)
     replicated = NamedSharding(mesh, P())
@@ -104,12 +128,15 @@ def compile_for_slice(shape: Shape = Shape(), topology: str = "v5p:2x2x2", dtype
 
 
 def main(argv=None) -> int:
-    compiled = compile_for_slice()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--remat-policy", choices=sorted(REMAT_POLICIES), default="full")
+    args = parser.parse_args(argv)
+    compiled = compile_for_slice(remat_policy=args.remat_policy)
     report = aot.memory_report(compiled)
     mosaic = compiled.as_text().count("tpu_custom_call")
-    print(f"compiled for v5p:2x2x2 (mesh {MESH_AXES}) by plain jax.jit(...).lower(...).compile(): {mosaic} Mosaic "
-          f"kernel calls; per device: temp {report.temp_bytes / 2**20:.1f} MiB, arguments "
-          f"{report.argument_bytes / 2**20:.1f} MiB")
+    print(f"compiled for v5p:2x2x2 (mesh {MESH_AXES}, remat policy {args.remat_policy}) by plain "
+          f"jax.jit(...).lower(...).compile(): {mosaic} Mosaic kernel calls; per device: temp "
+          f"{report.temp_bytes / 2**20:.1f} MiB, arguments {report.argument_bytes / 2**20:.1f} MiB")
     return 0
 
 

@@ -81,11 +81,20 @@ def test_plain_op_on_an_explicit_mesh_compiles_for_v5p():
     check_compiled(compiled, 2, True)
 
 
-def test_scanned_rematted_model_example_compiles_for_v5p_by_the_plain_path():
+@pytest.mark.parametrize("remat_policy", ["full", "save_proj", "offload_proj"])
+def test_scanned_rematted_model_example_compiles_for_v5p_by_the_plain_path(remat_policy):
+    """MaxText's remat policies by name: nothing saved, the named projections and the loss's residuals
+    (`csa_pallas.RESIDUAL_NAME`) saved, or offloaded to pinned host memory (the compiled program then holds
+    host-memory buffers, memory space S(5)). Saved or offloaded, the backward launches no teacher again: one teacher
+    launch per KL backward launch (the layer scan may be unrolled), two when the layer is recomputed."""
     require_libtpu()
     shape = sharded_aot.Shape(batch=8, seq=1024, embed=128, heads=8, head_dim=128, indexer_dim=32)
-    compiled = sharded_aot.compile_for_slice(shape, TOPOLOGY)
+    compiled = sharded_aot.compile_for_slice(shape, TOPOLOGY, remat_policy=remat_policy)
     hlo = compiled.as_text()
     assert hlo.count("tpu_custom_call") >= 2  # the loss kernels, inside the scanned layer body
+    assert ("S(5)" in hlo) == (remat_policy == "offload_proj")
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    teacher, kl_backward = (sum(name in line for line in calls) for name in ("csa_teacher_joint", "csa_kl_bwd"))
+    assert kl_backward >= 1 and teacher == kl_backward * (2 if remat_policy == "full" else 1), (teacher, kl_backward)
     report = aot.memory_report(compiled)
     assert 0 < report.temp_bytes < 256 * MiB, report
