@@ -42,12 +42,18 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
     from benchmarks import xla_baseline
     m, w = SHAPE.ratio, SHAPE.window
 
-    def loss(names, **kw):
+    def loss(names, remat_policy=None, **kw):
+        """The loss + gradient; remat_policy: the loss under `jax.checkpoint(policy=...)` (one rematted layer)."""
         def fn(logits, *vals):
             a = dict(zip(names[1:], vals))
-            return jax.value_and_grad(lambda y: csa_pallas.indexer_distill_loss(
-                y, a["q"], a["compressed_kv"], compress_ratio=m, window_size=w, implementation="pallas",
-                **{k: v for k, v in a.items() if k not in ("q", "compressed_kv")}, **kw))(logits)
+
+            def one(y, a):
+                return csa_pallas.indexer_distill_loss(
+                    y, a["q"], a["compressed_kv"], compress_ratio=m, window_size=w, implementation="pallas",
+                    **{k: v for k, v in a.items() if k not in ("q", "compressed_kv")}, **kw)
+            if remat_policy is not None:
+                one = jax.checkpoint(one, policy=remat_policy)
+            return jax.value_and_grad(one)(logits, a)
         return fn
 
     out = [
@@ -74,12 +80,26 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
             ("per_head, packed ids (segment ids passed: every tile counted)",
              ["logits", "q", "compressed_kv", "segment_ids"], dict(target="per_head"))]:
         out.append((f"fwd+bwd pallas {label}", "fwd+bwd", loss(names, **kw), names))
+    joint = ["logits", "q", "compressed_kv", "window_kv", "sinks"]
+    for label, policy in [("nothing saveable", jax.checkpoint_policies.nothing_saveable),
+                          ("csa_pallas.RESIDUAL_NAME saved",
+                           jax.checkpoint_policies.save_only_these_names(csa_pallas.RESIDUAL_NAME))]:
+        out.append((f"fwd+bwd pallas joint (window_kv + sinks), rematted: {label}", "fwd+bwd",
+                    loss(joint, remat_policy=policy, target="joint"), joint))
     student_names = ["index_q", "index_k", "index_weights", "q", "compressed_kv"]
     if index_chunks:
-        def one_chunk(iq, ik, iw, q, kv):
-            return jax.value_and_grad(lambda *x: csa_pallas.fused_indexer_distill_loss(
-                *x, q, kv, compress_ratio=m, target="per_head", query_chunk=seq), argnums=(0, 1, 2))(iq, ik, iw)
+        def one_chunk(iq, ik, iw, q, kv, remat_policy=None):
+            fused = lambda *x: csa_pallas.fused_indexer_distill_loss(  # noqa: E731
+                *x, q, kv, compress_ratio=m, target="per_head", query_chunk=seq)
+            if remat_policy is not None:
+                fused = jax.checkpoint(fused, policy=remat_policy)
+            return jax.value_and_grad(fused, argnums=(0, 1, 2))(iq, ik, iw)
         out.append((FUSED_ONE_CHUNK, "fwd+bwd", one_chunk, student_names))
+        for label, policy in [("nothing saveable", jax.checkpoint_policies.nothing_saveable),
+                              ("csa_pallas.RESIDUAL_NAME saved",
+                               jax.checkpoint_policies.save_only_these_names(csa_pallas.RESIDUAL_NAME))]:
+            out.append((f"{FUSED_ONE_CHUNK}, rematted: {label}", "fwd+bwd",
+                        lambda *a, policy=policy: one_chunk(*a, remat_policy=policy), student_names))
         out.append((STUDENT_KERNELS, "fwd+bwd", student_kernels_loss, ["index_q", "index_k", "index_weights",
                                                                           "logits"]))
     if index_chunks:

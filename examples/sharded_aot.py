@@ -97,8 +97,9 @@ class Model(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        stack = nn.scan(nn.remat(Layer, policy=REMAT_POLICIES[self.remat_policy]()), variable_axes={"params": 0, "intermediates": 0},
-                        split_rngs={"params": True}, length=self.shape.layers)
+        layer = nn.remat(Layer, policy=REMAT_POLICIES[self.remat_policy]())
+        stack = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+                        length=self.shape.layers)
         x, _ = stack(self.shape, name="layers")(x, None)
         return x
 

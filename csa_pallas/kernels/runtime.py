@@ -7,10 +7,11 @@ for a TPU topology from a CPU host (MaxText's AOT `train_compile` flow: `jax.jit
 devices>).compile()`) and interprets on CPU, in either order, with no context needed. Each form is lowered for its
 own platforms only, so the compiled TPU program holds no interpreter code, the CPU program no Mosaic call, and a
 multi-platform `jax.export(..., platforms=("cpu", "tpu"))` holds both (`lax.platform_dependent`, used before,
-lowers its branches for every platform of the program, and Pallas refuses a compiled kernel for CPU). The kernel body is traced once: the interpreted
-branch is the compiled call's jaxpr with `interpret` set (tracing it twice made tracing a program ~2x slower) and
-its unrolled loops rolled (`rolled`: a loop Mosaic must see straight-line is written `fori_loop(..., unroll=True)`,
-which the interpreter would otherwise discharge, lower and compile once per iteration).
+lowers its branches for every platform of the program, and Pallas refuses a compiled kernel for CPU). The kernel
+body is traced once: the interpreted branch is the compiled call's jaxpr with `interpret` set (tracing it twice
+made tracing a program ~2x slower) and its unrolled loops rolled (`rolled`: a loop Mosaic must see straight-line
+is written `fori_loop(..., unroll=True)`, which the interpreter would otherwise discharge, lower and compile once
+per iteration).
 
 Under `jax.vmap` every kernel call batches by the rule of `_KernelCall.vmappable` (once per element in turn, each
 element of a blocked operand read in place), so a vmapped loss compiles for v5p (`tests/test_vmap.py`).
