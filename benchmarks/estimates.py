@@ -81,9 +81,11 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
              ["logits", "q", "compressed_kv", "segment_ids"], dict(target="per_head"))]:
         out.append((f"fwd+bwd pallas {label}", "fwd+bwd", loss(names, **kw), names))
     joint = ["logits", "q", "compressed_kv", "window_kv", "sinks"]
-    for label, policy in [("nothing saveable", jax.checkpoint_policies.nothing_saveable),
-                          ("csa_pallas.RESIDUAL_NAME saved",
-                           jax.checkpoint_policies.save_only_these_names(csa_pallas.RESIDUAL_NAME))]:
+    # One rematted layer: the loss's kernels relaunched in the backward, or its residuals kept by name.
+    remat_policies = [("nothing saveable", jax.checkpoint_policies.nothing_saveable),
+                      ("csa_pallas.RESIDUAL_NAME saved",
+                       jax.checkpoint_policies.save_only_these_names(csa_pallas.RESIDUAL_NAME))]
+    for label, policy in remat_policies:
         out.append((f"fwd+bwd pallas joint (window_kv + sinks), rematted: {label}", "fwd+bwd",
                     loss(joint, remat_policy=policy, target="joint"), joint))
     student_names = ["index_q", "index_k", "index_weights", "q", "compressed_kv"]
@@ -95,9 +97,7 @@ def cases(seq: int, chunks, index_chunks=()) -> list:
                 fused = jax.checkpoint(fused, policy=remat_policy)
             return jax.value_and_grad(fused, argnums=(0, 1, 2))(iq, ik, iw)
         out.append((FUSED_ONE_CHUNK, "fwd+bwd", one_chunk, student_names))
-        for label, policy in [("nothing saveable", jax.checkpoint_policies.nothing_saveable),
-                              ("csa_pallas.RESIDUAL_NAME saved",
-                               jax.checkpoint_policies.save_only_these_names(csa_pallas.RESIDUAL_NAME))]:
+        for label, policy in remat_policies:
             out.append((f"{FUSED_ONE_CHUNK}, rematted: {label}", "fwd+bwd",
                         lambda *a, policy=policy: one_chunk(*a, remat_policy=policy), student_names))
         out.append((STUDENT_KERNELS, "fwd+bwd", student_kernels_loss, ["index_q", "index_k", "index_weights",

@@ -69,18 +69,41 @@ def test_plain_jit_compile_for_v5p_from_a_cpu_host_gets_mosaic_kernels(sparse):
         assert not passes, passes
 
 
+def _small_problem(sparse: bool, seed: int):
+    """(logits, q, kv, top-k indices or None) at S = 256, H = 4, D = 128, K = 16: f32 logits, bf16 q / kv."""
+    b, s, h, d, k = 1, 256, 4, 128, 16
+    n = s // 4
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(keys[0], (b, s, k if sparse else n), jnp.float32),
+            jax.random.normal(keys[1], (b, s, h, d), jnp.bfloat16),
+            jax.random.normal(keys[2], (b, n, d), jnp.bfloat16),
+            jax.random.randint(keys[3], (b, s, k), -1, n, jnp.int32) if sparse else None)
+
+
+def _on_one_chip_like(args):
+    """Structs of `args` placed on one v5p chip (a None stays None)."""
+    structs = iter(_on_one_chip(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args if a is not None)))
+    return [None if a is None else next(structs) for a in args]
+
+
+def _doubling_program(on_trace=lambda: None):
+    """x -> 2 x through one `runtime.pallas_call` in the mode `runtime.interpret_mode()` gives; on_trace runs each
+    time the kernel body is traced."""
+    def double(x_ref, o_ref):
+        on_trace()
+        o_ref[...] = x_ref[...] * 2.0
+
+    def program(x):
+        return runtime.pallas_call(double, interpret=runtime.interpret_mode(),
+                                   out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    return program
+
+
 @pytest.mark.parametrize("order", ["cpu_then_tpu", "tpu_then_cpu"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_one_jitted_function_interprets_on_cpu_and_compiles_for_tpu_in_either_order(order, sparse):
     require_libtpu()
-    b, s, h, d, k = 1, 256, 4, 128, 16
-    n = s // 4
-    keys = jax.random.split(jax.random.key(7), 4)
-    logits = jax.random.normal(keys[0], (b, s, k if sparse else n), jnp.float32)
-    q = jax.random.normal(keys[1], (b, s, h, d), jnp.bfloat16)
-    kv = jax.random.normal(keys[2], (b, n, d), jnp.bfloat16)
-    topk = jax.random.randint(keys[3], (b, s, k), -1, n, jnp.int32)
-    args = (logits, q, kv, topk if sparse else None)
+    args = logits, q, kv, _ = _small_problem(sparse, seed=7)
     jitted = jax.jit(_loss_and_grad(sparse))
 
     def on_cpu():
@@ -93,10 +116,7 @@ def test_one_jitted_function_interprets_on_cpu_and_compiles_for_tpu_in_either_or
         assert MOSAIC_CALL not in cpu_text  # only the interpreter branch is lowered for CPU
 
     def for_tpu():
-        structs = _on_one_chip(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args if a is not None))
-        if not sparse:
-            structs.append(None)
-        compiled = jitted.lower(*structs).compile()
+        compiled = jitted.lower(*_on_one_chip_like(args)).compile()
         assert MOSAIC_CALL in compiled.as_text()
 
     steps = (on_cpu, for_tpu) if order == "cpu_then_tpu" else (for_tpu, on_cpu)
@@ -113,13 +133,7 @@ def test_jax_export_for_tpu_for_cpu_and_for_both_in_one_artifact(sparse):
     lowers each kernel call's two forms for their own platforms only."""
     require_libtpu()
     from jax import export
-    b, s, h, d, k = 1, 256, 4, 128, 16
-    n = s // 4
-    keys = jax.random.split(jax.random.key(3), 4)
-    args = (jax.random.normal(keys[0], (b, s, k if sparse else n), jnp.float32),
-            jax.random.normal(keys[1], (b, s, h, d), jnp.bfloat16),
-            jax.random.normal(keys[2], (b, n, d), jnp.bfloat16),
-            jax.random.randint(keys[3], (b, s, k), -1, n, jnp.int32) if sparse else None)
+    args = _small_problem(sparse, seed=3)
     program = jax.jit(_loss_and_grad(sparse))
     want = program(*args)
     exported = {platforms: export.export(program, platforms=platforms)(*args)
@@ -130,25 +144,16 @@ def test_jax_export_for_tpu_for_cpu_and_for_both_in_one_artifact(sparse):
             got = exp.call(*args)
             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    both = exported[("cpu", "tpu")]
-    structs = _on_one_chip(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args if a is not None))
-    compiled = jax.jit(both.call).lower(*structs, *([] if sparse else [None])).compile()
+    compiled = jax.jit(exported[("cpu", "tpu")].call).lower(*_on_one_chip_like(args)).compile()
     assert MOSAIC_CALL in compiled.as_text()
 
 
 def test_a_kernel_call_differentiated_directly_says_what_to_differentiate():
     """The ops carry their gradients in custom_vjps; a kernel call itself has no derivative (loud, not Pallas's
     attempt to differentiate a kernel body)."""
-    def double(x_ref, o_ref):
-        o_ref[...] = x_ref[...] * 2.0
-
-    def program(x):
-        return runtime.pallas_call(double, interpret=runtime.interpret_mode(),
-                                   out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
-
     x = jnp.ones((8, 128), jnp.float32)
     with pytest.raises(NotImplementedError, match="differentiate the public ops"):
-        jax.jvp(program, (x,), (x,))
+        jax.jvp(_doubling_program(), (x,), (x,))
 
 
 def test_pinned_modes_still_pin():
@@ -166,16 +171,7 @@ def test_a_kernel_body_is_traced_once_for_both_platforms():
     `interpret` set. The one trace then runs on CPU (the interpreter) and compiles for v5p (Mosaic)."""
     require_libtpu()
     traced = []
-
-    def double(x_ref, o_ref):
-        traced.append(1)
-        o_ref[...] = x_ref[...] * 2.0
-
-    def program(x):
-        return runtime.pallas_call(double, interpret=runtime.interpret_mode(),
-                                   out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
-
-    jitted = jax.jit(program)
+    jitted = jax.jit(_doubling_program(lambda: traced.append(1)))
     x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
     np.testing.assert_array_equal(np.asarray(jitted(x)), np.asarray(x) * 2.0)
     assert len(traced) == 1

@@ -45,12 +45,16 @@ def _loss(kind: str):
     return plain, (0,)
 
 
-def _value_and_grad(kind: str, policy):
-    loss, argnums = _loss(kind)
+def _rematted_value_and_grad(loss, argnums, policy):
+    """value_and_grad of 3 x loss under `jax.checkpoint(policy=policy)` ("none": no checkpoint). A cotangent other
+    than 1, so the backward really multiplies the saved residuals."""
     if policy != "none":
         loss = jax.checkpoint(loss, policy=policy)
-    # A cotangent other than 1, so the backward really multiplies the saved residuals.
     return jax.value_and_grad(lambda *a: 3.0 * loss(*a), argnums=argnums)
+
+
+def _value_and_grad(kind: str, policy):
+    return _rematted_value_and_grad(*_loss(kind), policy)
 
 
 def _inputs(kind: str, seed=0):
@@ -103,9 +107,7 @@ def _sharded_over_heads(kind: str, structs, policy):
         logits, q, kv, window, sinks, topk = args
         return csa_pallas.sharded_indexer_distill_loss(mesh, logits, q, kv, window_kv=window, sinks=sinks,
                                                        topk_indices=topk, implementation="pallas", **common)
-    argnums = (0, 1, 2) if fused else (0,)
-    rematted = jax.checkpoint(loss, policy=policy)
-    program = jax.value_and_grad(lambda *a: 3.0 * rematted(*a), argnums=argnums)
+    program = _rematted_value_and_grad(loss, (0, 1, 2) if fused else (0,), policy)
     return aot.compile_for_tpu(program, *placed, topology="v5p:2x2x1")
 
 
@@ -129,8 +131,7 @@ def test_residuals_saved_by_name_compiles_for_v5p_with_each_kernel_launched_once
         if "sharded" in kind:
             compiled = _sharded_over_heads(kind, student + teacher, policy)
         else:
-            compiled = aot.compile_for_tpu(_value_and_grad(kind.replace("sharded_heads_", ""), policy), *student,
-                                           *teacher)
+            compiled = aot.compile_for_tpu(_value_and_grad(kind, policy), *student, *teacher)
         launches[name], hlo[name] = _kernel_launches(compiled), compiled.as_text()
     forward = "csa_window_lse"  # the joint target's first kernel, a forward-only one
     assert launches["nothing"][forward] == 2, launches
