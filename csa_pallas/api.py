@@ -133,7 +133,7 @@ def indexer_distill_loss(
     placed = _placed(problem, run_sharded)
     if placed is not None:
         return placed
-    placement.check_kernels_can_run_here(problem)
+    problem, indexer_logits = placement.vary_alike(problem, indexer_logits)
     if problem.sparse:
         from csa_pallas import ops_sparse
         return ops_sparse.indexer_distill_loss(indexer_logits, problem, reduction=reduction, scale=scale,
@@ -169,7 +169,7 @@ def teacher_distribution(
     placed = _placed(problem, run_sharded)
     if placed is not None:
         return placed
-    placement.check_kernels_can_run_here(problem)
+    problem, = placement.vary_alike(problem)
     if problem.sparse:
         from csa_pallas import ops_sparse
         return ops_sparse.teacher_distribution(problem, config)
@@ -215,7 +215,7 @@ def noncompressed_lse(
     if placed is not None:
         return placed
     from csa_pallas import ops
-    placement.check_kernels_can_run_here(problem)
+    problem, = placement.vary_alike(problem)
     return ops.noncompressed_lse(problem)
 
 
@@ -267,7 +267,8 @@ def indexer_scores(
     problem = _student_problem(st.index_q, st.index_k, **teacher)
     if teacher["implementation"] == "pallas":
         from csa_pallas.kernels import student_gather, student_scores
-        placement.check_kernels_can_run_here(problem)
+        problem, *student_arrays = placement.vary_alike(problem, st.index_q, st.index_k, st.index_weights)
+        st = dataclasses.replace(st, **dict(zip(("index_q", "index_k", "index_weights"), student_arrays)))
         if placement.resolve(st.index_q) is not None:
             raise ValueError("implementation='pallas': the student kernels run on one device's inputs; on inputs "
                              "living on a mesh use None or 'xla' (XLA partitions the XLA student)")
@@ -366,7 +367,8 @@ def fused_indexer_distill_loss(
     placed = _placed(problem, run_sharded)
     if placed is not None:
         return placed
-    placement.check_kernels_can_run_here(problem)
+    problem, *student_arrays = placement.vary_alike(problem, st.index_q, st.index_k, st.index_weights)
+    st = dataclasses.replace(st, **dict(zip(("index_q", "index_k", "index_weights"), student_arrays)))
     if index_head_chunk is None:
         st = dataclasses.replace(st, head_chunk=student_plan.default_index_head_chunk(st.num_heads,
                                                                                                problem.sparse))

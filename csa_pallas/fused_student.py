@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from csa_pallas import loss_vjp, plans, reference, sparse_blocks, student as student_lib, student_plan, validation
+from csa_pallas import (loss_vjp, placement, plans, reference, sparse_blocks, student as student_lib, student_plan,
+                        validation)
 from csa_pallas.kernels import student_gather, student_gather_kl, student_scores
 from csa_pallas.validation import Problem
 
@@ -156,7 +157,7 @@ def _scan_rows(ctx: _Chunks, index_q, index_k, index_weights, teacher: dict, wit
                 return kl_of(fn(q_rows, k, w_rows))
             logits, student_vjp = jax.vjp(fn, q_rows, k, w_rows)
             kl, kl_vjp, nonempty = jax.vjp(kl_of, logits, has_aux=True)
-            (grad,) = kl_vjp(jnp.full(kl.shape, ctx.row_weight, kl.dtype))
+            (grad,) = kl_vjp(jnp.full_like(kl, ctx.row_weight))
             return (kl, nonempty), student_vjp(grad)
         if not with_gradient:
             logits = fn(q_rows, k, w_rows)
@@ -254,7 +255,7 @@ def _kl_sum_bwd(ctx, residuals, cotangents):
     # One rounding more for 16-bit inputs when ct is not a power of two (the kernel rounded its f32 gradient once);
     # a constant-1 cotangent (the loss itself differentiated, row_weight folded into G) leaves XLA nothing to do.
     out = tuple((ct * g.astype(jnp.float32)).astype(like.dtype) for g, like in zip(grads, (q_like, k_like, w_like)))
-    zeros = jax.tree.map(lambda like: jnp.zeros(like.shape, like.dtype), teacher_like)  # SPEC §8: exact zeros
+    zeros = jax.tree.map(lambda like: placement.zeros_varying_like(like, ct), teacher_like)  # SPEC §8: exact zeros
     return out + (zeros,)
 
 

@@ -16,7 +16,8 @@ themselves. The layout is read from, in order:
 
 q [B, S, H, D] decides: B over the batch axes, S over the sequence axis, H over the head axis, D never sharded.
 The other inputs are resharded to match (the key side is replicated over the sequence axis, see `sharding.py`).
-Inside a user's `jax.shard_map` (every mesh axis Manual) the op runs per device on what it is given.
+Inside a user's `jax.shard_map` (every mesh axis Manual) the op runs per device on what it is given, with check_vma
+True or False (`vary_alike`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import sys
 from typing import Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 AxisNames = Union[None, str, Sequence[str]]
@@ -216,21 +218,41 @@ def on_auto_axes(fn, problem, *args, row_dims: int):
     return jax.sharding.auto_axes(inner, out_sharding=NamedSharding(mesh, out))(fields, args)
 
 
-def check_kernels_can_run_here(problem) -> None:
-    """Raises when the Pallas path is traced inside a user's `jax.shard_map(..., check_vma=True)`: the inputs
-    carry varying-manual-axes types the kernels' outputs cannot declare in this JAX version."""
-    arrays = [getattr(problem, f.name) for f in dataclasses.fields(problem)]
-    varying = set()
-    for x in arrays:
-        if isinstance(x, jax.core.Tracer):  # jax 0.10 keeps the varying axes in the aval's `mat`
-            varying |= set(getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ())
-    if varying:
-        raise ValueError(
-            f"q: the op is traced inside a jax.shard_map with check_vma=True (the inputs vary over the manual axes "
-            f"{sorted(varying)}), and its Pallas kernels' outputs cannot carry varying-manual-axes types; pass "
-            f"check_vma=False to that shard_map (the op then runs per device on its shard), or call the op outside "
-            f"the shard_map: on a mesh it partitions itself (csa_pallas.placement), and "
-            f"{ENTRY_POINT} takes the mesh axes explicitly")
+def vary_alike(problem, *arrays):
+    """(problem, *arrays) with every array cast to vary over the same manual mesh axes, when the op is traced
+    inside a `jax.shard_map(check_vma=True)` (JAX's default) and its inputs do not all vary alike (e.g. q split
+    over "data", compressed_kv or index_k replicated); else unchanged.
+
+    Why: the kernels' outputs vary over every axis any input varies over (`kernels.runtime`), and the custom_vjps,
+    scans and cotangents around them need one type throughout. The cast is `jax.lax.pcast(..., to="varying")`,
+    whose transpose sums the cotangent of an input replicated over an axis over that axis, as JAX does for any
+    replicated input used by per-device values."""
+    fields = {f.name: getattr(problem, f.name) for f in dataclasses.fields(problem)
+              if isinstance(getattr(problem, f.name), jax.Array)}
+    every = frozenset().union(*(_varying(x) for x in (*fields.values(), *arrays) if x is not None))
+    if not every:
+        return (problem, *arrays)
+
+    def cast(x):
+        missing = tuple(sorted(every - _varying(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing and x is not None else x
+    problem = dataclasses.replace(problem, **{name: cast(x) for name, x in fields.items()})
+    return (problem, *(jax.tree.map(cast, x) for x in arrays))
+
+
+def _varying(x) -> frozenset:
+    """The manual mesh axes x varies over (a tracer inside a `jax.shard_map(check_vma=True)`), else empty."""
+    if not isinstance(x, jax.core.Tracer):
+        return frozenset()
+    return getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", None) or frozenset()
+
+
+def zeros_varying_like(like, reference) -> jax.Array:
+    """Zeros of like's shape and dtype, varying over the manual mesh axes `reference` varies over: a custom_vjp's
+    exact-zero cotangent for an input that `vary_alike` made vary like every other (so like the op's output)."""
+    varying = _varying(reference)
+    zeros = jnp.zeros(like.shape, like.dtype)
+    return jax.lax.pcast(zeros, tuple(sorted(varying)), to="varying") if varying else zeros
 
 
 def check_outside_shard_map(q) -> None:

@@ -19,8 +19,8 @@ settings.load_profile("ci")
 V5P_COMPILE_FILES = {"test_aot.py", "test_aot_chips.py", "test_aot_kernels.py", "test_aot_sparse.py",
                      "test_aot_sharding.py", "test_aot_placement.py", "test_aot_student.py", "test_platform.py",
                      "test_demo.py"}
-SHARDED_FILES = {"test_sharding.py", "test_placement.py", "test_aot_sharding.py", "test_aot_placement.py",
-                 "test_sharded_student.py"}
+SHARDED_FILES = {"test_sharding.py", "test_placement.py", "test_check_vma.py", "test_aot_sharding.py",
+                 "test_aot_placement.py", "test_sharded_student.py"}
 
 
 def pytest_collection_modifyitems(config, items):

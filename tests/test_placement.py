@@ -153,7 +153,7 @@ def test_undeclared_auto_layouts_and_unservable_shardings_raise_named_errors():
         _call_on(mesh, (None, None, None))
 
 
-def test_a_user_shard_map_runs_the_op_per_device_or_explains_check_vma():
+def test_a_user_shard_map_runs_the_op_per_device_with_or_without_check_vma():
     mesh = make_mesh({"data": 2, "heads": 2, "seq": 2})
     logits, arrays, teacher = inputs(16, sparse=False, target="per_head", packed=False)
 
@@ -166,9 +166,7 @@ def test_a_user_shard_map_runs_the_op_per_device_or_explains_check_vma():
     want = csa_pallas.indexer_distill_loss(logits, arrays["q"], arrays["compressed_kv"], compress_ratio=M,
                                            window_size=W, target="per_head", reduction="sum", implementation="xla")
     np.testing.assert_allclose(float(run(False)), float(want), rtol=1e-5)
-    with pytest.raises(ValueError, match=r"^q: the op is traced inside a jax.shard_map with check_vma=True.*"
-                                         r"pass check_vma=False"):
-        run(True)
+    assert float(run(True)) == float(run(False))  # tests/test_check_vma.py: every op, gradients, v5p
 
     def nested(x, q, kv):
         return csa_pallas.sharded_indexer_distill_loss(mesh, x, q, kv, batch_axes="data", compress_ratio=M,

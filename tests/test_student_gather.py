@@ -100,7 +100,7 @@ def test_forced_query_tile():
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000), rows_log2=st.integers(0, 6), groups=st.integers(1, 3))
-def testscatter_plan_keeps_the_sums_and_makes_each_group_s_targets_distinct(seed, rows_log2, groups):
+def test_scatter_plan_keeps_the_sums_and_makes_each_group_s_targets_distinct(seed, rows_log2, groups):
     """`scatter_plan`: scatter-adding the planned cotangent at the planned targets gives, on the R resident rows,
     what scatter-adding each slot's cotangent at the row it reads gives; the targets of each group of
     SCATTER_GROUP slots are distinct (what lets the kernel batch its read-modify-writes); discarded targets lie

@@ -13,6 +13,9 @@ made tracing a program ~2x slower) and its unrolled loops rolled (`rolled`: a lo
 is written `fori_loop(..., unroll=True)`, which the interpreter would otherwise discharge, lower and compile once
 per iteration).
 
+Inside a `jax.shard_map(check_vma=True)` a kernel call's outputs vary over every manual axis its inputs vary over
+(the primitive's abstract evaluation), and it is lowered as the plain kernel, without those types.
+
 Under `jax.vmap` every kernel call batches by the rule of `_KernelCall.vmappable` (once per element in turn, each
 element of a blocked operand read in place), so a vmapped loss compiles for v5p (`tests/test_vmap.py`).
 
@@ -32,6 +35,8 @@ from typing import Callable
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
+from jax._src import config as jax_config
+from jax._src import core as jax_core
 from jax._src import dispatch
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.interpreters import partial_eval as pe
@@ -95,20 +100,23 @@ class _KernelCall:
 
     def __call__(self, *args):
         compiled = pl.pallas_call(self.kernel, interpret=False, grid_spec=self.spec(args), **self.kwargs)
-        if self.interpret is False:
-            return compiled(*args)
-        # The kernel is traced once (the compiled call's jaxpr); the interpreted branch is the same jaxpr with
-        # `interpret` set, so the two branches do not trace the kernel body twice.
-        closed, out_shapes = jax.make_jaxpr(compiled, return_shape=True)(*args)
-        out_tree = jax.tree.structure(out_shapes)
-        as_fun = lambda jaxpr: lambda *a: jax.tree.unflatten(out_tree, jex_core.jaxpr_as_fun(jaxpr)(*a))
-        if self.interpret is not FOLLOW_PLATFORM:  # pinned: the interpreter (True or `pltpu.InterpretParams`)
-            return as_fun(_with_interpret(closed, self.interpret))(*args)
+        # The kernel is traced once (the compiled call's jaxpr); the interpreted form is the same jaxpr with
+        # `interpret` set, so the two forms do not trace the kernel body twice. Traced with the varying-manual-axes
+        # check off: inside a `jax.shard_map(check_vma=True)` Pallas wants every out_shape to name its varying
+        # axes; the primitive's abstract evaluation gives the outputs the inputs' varying axes instead.
+        with jax_config._check_vma(False):
+            closed, out_shapes = jax.make_jaxpr(compiled, return_shape=True)(*args)
         # The jaxpr's constants become its leading arguments: they may be tracers of the caller's trace (the listed
         # walk's dynamic grid extent), which a primitive's parameters must not hold.
+        out_tree = jax.tree.structure(out_shapes)
+        if self.interpret not in (FOLLOW_PLATFORM, False):
+            # Pinned interpreter (True or `pltpu.InterpretParams`, the tests' race checking): inline, since the
+            # race-checking interpreter's ordered callback effects cannot be lowered inside a primitive's rule.
+            return jax.tree.unflatten(out_tree, jex_core.jaxpr_as_fun(_with_interpret(closed, self.interpret))(*args))
         opened = jex_core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ())
-        outs = _per_platform_p.bind(*closed.consts, *jax.tree.leaves(args), tpu=opened,
-                                    default=_with_interpret(opened))
+        # FOLLOW_PLATFORM: Mosaic for TPU, the interpreter elsewhere; pinned compiled (False): Mosaic everywhere.
+        default = _with_interpret(opened) if self.interpret is FOLLOW_PLATFORM else opened
+        outs = _per_platform_p.bind(*closed.consts, *jax.tree.leaves(args), tpu=opened, default=default)
         return jax.tree.unflatten(out_tree, outs)
 
     def vmappable(self) -> Callable:
@@ -259,13 +267,31 @@ def _rolled_param(value):
 _per_platform_p = jex_core.Primitive("csa_pallas_kernel")
 _per_platform_p.multiple_results = True
 _per_platform_p.def_impl(functools.partial(dispatch.apply_primitive, _per_platform_p))
-_per_platform_p.def_effectful_abstract_eval(lambda *avals, tpu, default: (tpu.out_avals, tpu.effects))
+
+
+def _abstract_eval(*avals, tpu, default):
+    varying = frozenset().union(*(a.manual_axis_type.varying for a in avals
+                                  if getattr(a, "manual_axis_type", None) is not None))
+    outs = tpu.out_avals
+    if varying:
+        mat = jax_core.ManualAxisType(varying=varying)
+        outs = [a.update_manual_axis_type(mat) for a in outs]
+    return outs, tpu.effects
+
+
+_per_platform_p.def_effectful_abstract_eval(_abstract_eval)
 
 
 def _lowering(ctx, *args, tpu, default):
     as_rule = lambda closed: mlir.lower_fun(jex_core.jaxpr_as_fun(closed), multiple_results=True)  # noqa: E731
-    return jax_mlir.lower_per_platform(ctx, "csa_pallas kernel", {"tpu": as_rule(tpu)}, as_rule(default),
-                                       tpu.effects, *args)
+    # Lowered as the unbatched, unsharded kernel: the varying-manual-axes types of a `jax.shard_map(check_vma=True)`
+    # stay outside (the interpreter's loops would otherwise mix typed carries with untyped kernel values).
+    plain = lambda avals: [a.update_manual_axis_type(jax_core.empty_mat) if hasattr(a, "manual_axis_type") else a
+                           for a in avals]  # noqa: E731
+    ctx = ctx.replace(avals_in=plain(ctx.avals_in), avals_out=plain(ctx.avals_out))
+    with jax_config._check_vma(False):
+        return jax_mlir.lower_per_platform(ctx, "csa_pallas kernel", {"tpu": as_rule(tpu)}, as_rule(default),
+                                           tpu.effects, *args)
 
 
 mlir.register_lowering(_per_platform_p, _lowering)
