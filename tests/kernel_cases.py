@@ -17,13 +17,16 @@ from csa_pallas.kernels import runtime
 
 def compiled_pallas_calls(jaxpr):
     """The Mosaic pallas_call equations of `jaxpr` (a jax.extend.core.Jaxpr), in program order, nested jaxprs
-    included. The interpreted branch each kernel call also stages (`runtime.pallas_call`) is the same kernel with
-    `interpret` set, and is left out."""
+    included. A kernel call (`runtime.pallas_call`'s primitive) counts once, by its TPU form: its other form is
+    the same kernel interpreted (or, pinned compiled, the same call again)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
             if eqn.params["interpret"] is False:
                 yield eqn
             continue  # its body is the kernel: no pallas_call nests inside
+        if eqn.primitive.name == "csa_pallas_kernel":
+            yield from compiled_pallas_calls(eqn.params["tpu"].jaxpr)
+            continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from compiled_pallas_calls(sub)
 

@@ -387,10 +387,34 @@ def fused_grad_rounding_scales(index_q, index_k, index_weights, q, compressed_kv
     shape, rows = _rows(q, compressed_kv, **kw)
     n = _divisor(reduction, np.zeros(shape[:2]), len(rows))  # 1 for "none"
     g = np.broadcast_to(np.abs(_f64(cotangent)), shape[:2])
+    A = indexer_score_rounding_scales(index_q, index_k, index_weights, kw.get("topk_indices"))
     weight = np.zeros(shape)  # 0 outside V(t) and on empty rows, as `loss_grad`
     for (b, t), (slots, p, logq) in _student(I, shape, rows).items():
-        weight[b, t, slots] = abs(scale) * g[b, t] * (np.exp(logq) + p) / n
+        q_row, a = np.exp(logq), A[b, t, slots]
+        # Q's own rounding moves Q - P by ulps of Q + P; I's rounding (ulps of A) moves Q_s by Q_s (dI_s - E_Q dI)
+        weight[b, t, slots] = abs(scale) * g[b, t] * (q_row + p + q_row * (a + np.sum(q_row * a))) / n
     return _chain_rule(index_q, index_k, index_weights, weight, kw.get("topk_indices"), absolute=True)
+
+
+def indexer_score_rounding_scales(index_q, index_k, index_weights, topk_indices=None):
+    """A[t, s] = sum_j |w[t, j]| (|q_I[t, j]| . |k_I[s]|): what f32 rounding can move I[t, s] by, in units of the
+    unit roundoff (its products and sums taken in absolute value); float64, shaped like `indexer_scores`."""
+    return indexer_scores(np.abs(_f64(index_q)), np.abs(_f64(index_k)), np.abs(_f64(index_weights)), topk_indices)
+
+
+def fused_loss_rounding_scale(index_q, index_k, index_weights, q, compressed_kv, **kw):
+    """What f32 rounding of the scores I can move the fused loss by, in units of the unit roundoff: a row's KL
+    moves by sum_s (Q_s - P_s) dI_s to first order, so |scale| / n sum over rows of sum_s (P_s + Q_s) A_s
+    (`indexer_score_rounding_scales`). A float for the scalar reductions, [B, S] for "none"."""
+    I = indexer_scores(index_q, index_k, index_weights, kw.get("topk_indices"))
+    A = indexer_score_rounding_scales(index_q, index_k, index_weights, kw.get("topk_indices"))
+    reduction, scale = kw.pop("reduction", "mean"), kw.pop("scale", 1.0)
+    shape, rows = _rows(q, compressed_kv, **kw)
+    n = _divisor(reduction, np.zeros(shape[:2]), len(rows))
+    per_row = np.zeros(shape[:2])
+    for (b, t), (slots, p, logq) in _student(I, shape, rows).items():
+        per_row[b, t] = abs(scale) * float(np.sum((p + np.exp(logq)) * A[b, t, slots])) / n
+    return per_row if reduction == "none" else float(per_row.sum())
 
 
 def _chain_rule(index_q, index_k, index_weights, dI, topk, absolute=False):

@@ -4,7 +4,7 @@
 `make_student_case` draws the indexer's and the teacher's inputs (packing, loss_mask, top-k with out-of-range and
 empty slots); `check` runs `fused_indexer_distill_loss` under `jax.value_and_grad` and asserts the loss within 1e-6
 and each of the three indexer gradients within 1e-6 of its max (16-bit inputs: their gradient rounded once, or
-twice where `roundings` says).
+twice where `roundings` says), each plus what f32 rounding of the scores and of Q - P can move it by.
 """
 
 from __future__ import annotations
@@ -79,11 +79,16 @@ def check(c, kw, target, *, implementation="xla", reduction="mean", scale=1.3, i
     okw = oracle_kw(kw, target, reduction, scale)
     args = [np.asarray(c[k], np.float64) for k in ("index_q", "index_k", "index_weights", "q", "compressed_kv")]
     expected = oracle.fused_loss(*args, **okw)
-    assert abs(float(value) - expected) <= TOL * max(1.0, abs(expected)), (float(value), expected)
+    # plus one unit roundoff of the scores' rounding scale: f32 scores are off by ulps of their terms' magnitudes,
+    # which no f32 computation of the loss avoids (measured on drawn problems: within 0.05 units)
+    loss_bound = TOL * max(1.0, abs(expected)) + 2.0 ** -24 * oracle.fused_loss_rounding_scale(*args, **okw)
+    assert abs(float(value) - expected) <= loss_bound, (float(value), expected, loss_bound)
     # An f32 Q - P is off by a few ulps of Q + P however well they cancel (e.g. Q = P on every row), and the chain
     # rule scales that by the inputs: each entry may also move by a few unit roundoffs of its own rounding scale
-    # (`oracle.fused_grad_rounding_scales`). Measured over 270 random problems like test_drawn_shapes': the
-    # reference within 1 unit, the kernels within 15 (their G enters the MXU as bf16 hi + lo, 2^-17 per term).
+    # (`oracle.fused_grad_rounding_scales`, which also carries the f32 scores' own rounding through Q since
+    # 2026-12-07, when a longer random run found d_I = 128 problems beyond the Q + P term alone). Measured over 270
+    # random problems like test_drawn_shapes' (Q + P term alone): the reference within 1 unit, the kernels within
+    # 15 (their G enters the MXU as bf16 hi + lo, 2^-17 per term).
     ulps = ROUNDING_ULPS["xla" if implementation == "xla" else "pallas"]
     scales = oracle.fused_grad_rounding_scales(*args, **okw)
     for name, got, want, scale_of in zip(("index_q", "index_k", "index_weights"), grads,
