@@ -33,23 +33,24 @@ def _inputs(seed=0):
         loss_mask=jnp.asarray(rng.random((B, S)) > 0.25))
 
 
-def _loss_and_grad(sparse, **kw):
+def _loss_and_grad(sparse, implementation="pallas", **kw):
     """The loss and its gradient (reduction="none": the rows and their VJP with a data-dependent cotangent)."""
     def fn(x, q, kv, window, sinks, topk, segments, positions, loss_mask):
         loss, vjp = jax.vjp(lambda y: csa_pallas.indexer_distill_loss(
             y, q, kv, window_kv=window, sinks=sinks, topk_indices=topk if sparse else None, segment_ids=segments,
             positions=positions, loss_mask=loss_mask, compress_ratio=M, window_size=W, target="joint",
-            implementation="pallas", **kw), x)
+            implementation=implementation, **kw), x)
         (grad,) = vjp(jnp.cos(loss) if loss.ndim else jnp.ones_like(loss))
         return loss[None], grad
     return fn
 
 
-def _fused(sparse, **kw):
+def _fused(sparse, implementation="pallas"):
     def fn(iq, ik, iw, q, kv, topk):
         loss, grads = jax.value_and_grad(lambda *student: csa_pallas.fused_indexer_distill_loss(
             *student, q, kv, topk_indices=topk if sparse else None, compress_ratio=M, target="per_head",
-            student="pallas", **kw), argnums=(0, 1, 2))(iq, ik, iw)
+            implementation=implementation, student="pallas" if implementation == "pallas" else "auto"),
+            argnums=(0, 1, 2))(iq, ik, iw)
         return loss[None], grads
     return fn
 
@@ -78,8 +79,15 @@ CASES = {  # name: (fn, input names, in_specs, out_specs); sinks replicated (it 
 }
 
 
-def _run(name, check_vma, mesh, arrays):
-    fn, names, in_specs, out_specs = CASES[name]
+# The losses' XLA references, run in the same shard_map.
+REFERENCES = {"dense_joint_packed": _loss_and_grad(False, "xla"), "sparse_joint_packed": _loss_and_grad(True, "xla"),
+              "sparse_rows": _loss_and_grad(True, "xla", reduction="none"), "fused_dense": _fused(False, "xla"),
+              "fused_sparse": _fused(True, "xla")}
+
+
+def _run(name, check_vma, mesh, arrays, fn=None):
+    case_fn, names, in_specs, out_specs = CASES[name]
+    fn = fn or case_fn
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
     return jax.jit(mapped)(*[arrays[n] for n in names])
 
@@ -91,6 +99,10 @@ def test_ops_in_a_check_vma_shard_map_equal_check_vma_false(name):
     checked, unchecked = _run(name, True, mesh, arrays), _run(name, False, mesh, arrays)
     for got, want in zip(jax.tree.leaves(checked), jax.tree.leaves(unchecked)):
         np.testing.assert_array_equal(got, want)
+    if name in REFERENCES:  # and the XLA reference, in the same check_vma=True shard_map
+        for got, want in zip(jax.tree.leaves(checked), jax.tree.leaves(_run(name, True, mesh, arrays,
+                                                                            REFERENCES[name]))):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_an_input_replicated_over_an_axis_gets_its_gradient_summed_over_it_like_the_reference():
@@ -106,7 +118,7 @@ def test_an_input_replicated_over_an_axis_gets_its_gradient_summed_over_it_like_
     def on_mesh(fn):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True))(*args)
     kernels = on_mesh(_fused(True))
-    reference = on_mesh(_xla_fused)
+    reference = on_mesh(_fused(True, "xla"))
     per_device = [_fused(True)(args[0][d:d + 1], args[1], args[2][d:d + 1], args[3][d:d + 1], args[4],
                                args[5][d:d + 1])[1][1] for d in range(2)]
     np.testing.assert_allclose(kernels[1][1], per_device[0] + per_device[1], rtol=1e-6, atol=1e-6)
@@ -114,11 +126,39 @@ def test_an_input_replicated_over_an_axis_gets_its_gradient_summed_over_it_like_
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
-def _xla_fused(iq, ik, iw, q, kv, topk):
-    loss, grads = jax.value_and_grad(lambda *student: csa_pallas.fused_indexer_distill_loss(
-        *student, q, kv, topk_indices=topk, compress_ratio=M, target="per_head", implementation="xla"),
-        argnums=(0, 1, 2))(iq, ik, iw)
-    return loss[None], grads
+def _sparse_loss(x, q, kv, topk):
+    return csa_pallas.indexer_distill_loss(x, q, kv, topk_indices=topk, compress_ratio=M, target="per_head",
+                                           implementation="pallas")
+
+
+def _vmapped(x, q, kv, topk):  # two problems per batch row, the vmapped axis second (B is the sharded one)
+    loss, grad = jax.vmap(jax.value_and_grad(_sparse_loss), in_axes=1, out_axes=(0, 1))(x, q, kv, topk)
+    return loss[None], grad
+
+
+def _scanned_remat(x, q, kv, topk):  # two rematted "layers" in a scan, each with its own logits
+    def layer(total, scale):
+        loss, grad = jax.value_and_grad(jax.checkpoint(_sparse_loss))(x * scale, q, kv, topk)
+        return total + loss, grad
+    total, grads = jax.lax.scan(layer, jnp.zeros_like(x[0, 0, 0]), jnp.asarray([1.0, 0.5]))
+    return total[None], grads
+
+
+@pytest.mark.parametrize("fn", [_vmapped, _scanned_remat], ids=["vmap", "scan_remat"])
+def test_vmap_and_scanned_remat_inside_a_check_vma_shard_map(fn):
+    """The model patterns inside the check_vma=True shard_map: the kernels' batching rule and a rematted scan."""
+    mesh = mesh_of({"data": 2})
+    a = _inputs(4)
+    names = ("sparse_logits", "q", "kv", "topk")
+    if fn is _vmapped:
+        args = [jnp.stack([a[n], a[n][::-1]], axis=1) for n in names]
+        out_specs = (ROWS, ROWS)
+    else:
+        args, out_specs = [a[n] for n in names], (ROWS, P(None, "data"))
+    run = lambda check: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(ROWS,) * 4, out_specs=out_specs,
+                                              check_vma=check))(*args)
+    for got, want in zip(jax.tree.leaves(run(True)), jax.tree.leaves(run(False))):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("name", ["dense_joint_packed", "sparse_joint_packed", "fused_sparse"])

@@ -106,13 +106,14 @@ class _KernelCall:
         # axes; the primitive's abstract evaluation gives the outputs the inputs' varying axes instead.
         with jax_config._check_vma(False):
             closed, out_shapes = jax.make_jaxpr(compiled, return_shape=True)(*args)
-        # The jaxpr's constants become its leading arguments: they may be tracers of the caller's trace (the listed
-        # walk's dynamic grid extent), which a primitive's parameters must not hold.
         out_tree = jax.tree.structure(out_shapes)
         if self.interpret not in (FOLLOW_PLATFORM, False):
             # Pinned interpreter (True or `pltpu.InterpretParams`, the tests' race checking): inline, since the
-            # race-checking interpreter's ordered callback effects cannot be lowered inside a primitive's rule.
+            # race-checking interpreter's ordered callback effects cannot be lowered inside a primitive's rule (so
+            # this mode does not take a check_vma shard_map's types).
             return jax.tree.unflatten(out_tree, jex_core.jaxpr_as_fun(_with_interpret(closed, self.interpret))(*args))
+        # The jaxpr's constants become its leading arguments: they may be tracers of the caller's trace (the listed
+        # walk's dynamic grid extent), which a primitive's parameters must not hold.
         opened = jex_core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ())
         # FOLLOW_PLATFORM: Mosaic for TPU, the interpreter elsewhere; pinned compiled (False): Mosaic everywhere.
         default = _with_interpret(opened) if self.interpret is FOLLOW_PLATFORM else opened
@@ -284,8 +285,8 @@ _per_platform_p.def_effectful_abstract_eval(_abstract_eval)
 
 def _lowering(ctx, *args, tpu, default):
     as_rule = lambda closed: mlir.lower_fun(jex_core.jaxpr_as_fun(closed), multiple_results=True)  # noqa: E731
-    # Lowered as the unbatched, unsharded kernel: the varying-manual-axes types of a `jax.shard_map(check_vma=True)`
-    # stay outside (the interpreter's loops would otherwise mix typed carries with untyped kernel values).
+    # Lowered as the plain kernel: the varying-manual-axes types of a `jax.shard_map(check_vma=True)` stay outside
+    # (the interpreter's loops would otherwise mix typed carries with untyped kernel values).
     plain = lambda avals: [a.update_manual_axis_type(jax_core.empty_mat) if hasattr(a, "manual_axis_type") else a
                            for a in avals]  # noqa: E731
     ctx = ctx.replace(avals_in=plain(ctx.avals_in), avals_out=plain(ctx.avals_out))
