@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
@@ -91,17 +91,30 @@ def _compare(c, cfg=None, grad_scale=0.5, running_dk=False):
     n, d = c["k"].shape[1:]
     grads = (dq, dk[:, :n, :d], dw)
     assert dq.dtype == c["q"].dtype and dk.dtype == dw.dtype == jnp.float32
-    assert float(jnp.max(jnp.abs(dk[:, n:]))) == 0.0 and float(jnp.max(jnp.abs(dk[:, :, d:]))) == 0.0
-    for name, a, b in zip(("index_q", "keys", "index_weights"), grads, wants):
+    padding = np.concatenate([np.ravel(dk[:, n:]), np.ravel(dk[:, :, d:])])  # empty when R = n and d_p = d
+    assert np.max(np.abs(padding), initial=0.0) == 0.0
+    # Each gradient within tol of its max, plus a few unit roundoffs of what f32 rounding of Q - P (off by ulps of
+    # Q + P, which sum to 2 per row) can move it by: without that floor a row whose Q - P is exactly 0 in real
+    # arithmetic (one block, every slot reading it) failed on the reference's own ~1e-9 noise (a longer random run)
+    q, k, w = (np.abs(np.asarray(c[name], np.float64)) for name in ("q", "k", "w"))
+    row_scale = 2.0 * abs(grad_scale)
+    floors = (row_scale * w.max(initial=0.0) * k.max(initial=0.0),  # d q_j = sum_s G_s w_j k_s
+              row_scale * q.shape[1] * w.max(initial=0.0) * q.max(initial=0.0),  # d k_s sums over every row
+              row_scale * q.shape[-1] * q.max(initial=0.0) * k.max(initial=0.0))  # d w_j = sum_s G_s relu(q_j . k_s)
+    for name, a, b, floor in zip(("index_q", "keys", "index_weights"), grads, wants, floors):
         tol = 2.0 ** -7 if name == "index_q" and a.dtype == jnp.bfloat16 else 1e-5
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert np.max(np.abs(a - b)) <= tol * max(np.max(np.abs(b)), 1e-30), name
+        assert np.max(np.abs(a - b)) <= tol * max(np.max(np.abs(b)), 1e-30) + 8 * 2.0 ** -24 * floor, name
 
 
 @settings(max_examples=3, deadline=None)
 @given(seed=st.integers(0, 10_000), batch=st.integers(1, 2), seq=st.integers(1, 40), blocks=st.integers(1, 40),
        width=st.integers(1, 40), heads=st.integers(1, 4), dim=st.sampled_from([8, 16, 128]), bf16=st.booleans(),
        duplicates=st.booleans())
+# Found by a longer random run (2026-12-07): Q - P exactly 0 in real arithmetic (one block), and R = N with d = 128
+# (no padding rows or lanes to check); both were the test's, not the kernel's
+@example(seed=170, batch=2, seq=7, blocks=1, width=23, heads=1, dim=8, bf16=False, duplicates=False)
+@example(seed=0, batch=1, seq=1, blocks=1, width=1, heads=1, dim=128, bf16=False, duplicates=False)
 def test_drawn_shapes_match_an_xla_gather_and_kl(seed, batch, seq, blocks, width, heads, dim, bf16, duplicates):
     _compare(_case(seed, batch=batch, seq=seq, blocks=blocks, width=width, heads=heads, dim=dim,
                    dtype=jnp.bfloat16 if bf16 else jnp.float32, duplicates=duplicates))
