@@ -219,6 +219,12 @@ def noncompressed_lse(
     return ops.noncompressed_lse(problem)
 
 
+def _vary_alike_with_student(problem: Problem, st):
+    """`placement.vary_alike` over the problem and the student's three arrays (a `student.Student`)."""
+    problem, *arrays = placement.vary_alike(problem, st.index_q, st.index_k, st.index_weights)
+    return problem, dataclasses.replace(st, **dict(zip(("index_q", "index_k", "index_weights"), arrays)))
+
+
 def _student_problem(index_q, index_k, **kwargs):
     """V(t) of the indexer's tensors: `validation.validate` on placeholders with their shapes, its messages naming
     the indexer's arguments."""
@@ -267,8 +273,7 @@ def indexer_scores(
     problem = _student_problem(st.index_q, st.index_k, **teacher)
     if teacher["implementation"] == "pallas":
         from csa_pallas.kernels import student_gather, student_scores
-        problem, *student_arrays = placement.vary_alike(problem, st.index_q, st.index_k, st.index_weights)
-        st = dataclasses.replace(st, **dict(zip(("index_q", "index_k", "index_weights"), student_arrays)))
+        problem, st = _vary_alike_with_student(problem, st)
         if placement.resolve(st.index_q) is not None:
             raise ValueError("implementation='pallas': the student kernels run on one device's inputs; on inputs "
                              "living on a mesh use None or 'xla' (XLA partitions the XLA student)")
@@ -367,8 +372,7 @@ def fused_indexer_distill_loss(
     placed = _placed(problem, run_sharded)
     if placed is not None:
         return placed
-    problem, *student_arrays = placement.vary_alike(problem, st.index_q, st.index_k, st.index_weights)
-    st = dataclasses.replace(st, **dict(zip(("index_q", "index_k", "index_weights"), student_arrays)))
+    problem, st = _vary_alike_with_student(problem, st)
     if index_head_chunk is None:
         st = dataclasses.replace(st, head_chunk=student_plan.default_index_head_chunk(st.num_heads,
                                                                                                problem.sparse))
