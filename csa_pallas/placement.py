@@ -210,8 +210,7 @@ def on_auto_axes(fn, problem, *args, row_dims: int):
     mesh = explicit_mesh(problem.q)
     if mesh is None:
         return fn(problem, *args)
-    fields = {f.name: getattr(problem, f.name) for f in dataclasses.fields(problem)
-              if isinstance(getattr(problem, f.name), jax.Array)}
+    fields = _array_fields(problem)
     batch, seq = (tuple(jax.typeof(problem.q).sharding.spec) + (None, None))[:2]
     out = P() if row_dims == 0 else P(batch, seq, *([None] * (row_dims - 2)))
     inner = lambda arrays, rest: fn(dataclasses.replace(problem, **arrays), *rest)
@@ -227,17 +226,22 @@ def vary_alike(problem, *arrays):
     scans and cotangents around them need one type throughout. The cast is `jax.lax.pcast(..., to="varying")`,
     whose transpose sums the cotangent of an input replicated over an axis over that axis, as JAX does for any
     replicated input used by per-device values."""
-    fields = {f.name: getattr(problem, f.name) for f in dataclasses.fields(problem)
-              if isinstance(getattr(problem, f.name), jax.Array)}
-    every = frozenset().union(*(_varying(x) for x in (*fields.values(), *arrays) if x is not None))
+    fields = _array_fields(problem)
+    every = frozenset().union(*(_varying(x) for x in (*fields.values(), *arrays)))
     if not every:
         return (problem, *arrays)
 
     def cast(x):
         missing = tuple(sorted(every - _varying(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing and x is not None else x
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
     problem = dataclasses.replace(problem, **{name: cast(x) for name, x in fields.items()})
     return (problem, *(jax.tree.map(cast, x) for x in arrays))
+
+
+def _array_fields(problem) -> dict:
+    """{field name: array} of a `validation.Problem`'s array fields."""
+    return {f.name: getattr(problem, f.name) for f in dataclasses.fields(problem)
+            if isinstance(getattr(problem, f.name), jax.Array)}
 
 
 def _varying(x) -> frozenset:

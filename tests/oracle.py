@@ -378,43 +378,37 @@ def fused_loss_grads(index_q, index_k, index_weights, q, compressed_kv, **kw):
     return _chain_rule(index_q, index_k, index_weights, loss_grad(I, q, compressed_kv, **kw), kw.get("topk_indices"))
 
 
-def fused_grad_rounding_scales(index_q, index_k, index_weights, q, compressed_kv, **kw):
-    """What f32 rounding of Q and P can move each gradient entry by, in units of the unit roundoff: SPEC §8's
-    chain rule run on |scale g / n| (Q + P) (an f32 Q - P is off by a few ulps of Q + P, however well Q and P
-    cancel) with every factor in absolute value. float64 (d index_q, d index_k, d index_weights)-shaped."""
-    I = indexer_scores(index_q, index_k, index_weights, kw.get("topk_indices"))
+def fused_rounding_scales(index_q, index_k, index_weights, q, compressed_kv, **kw):
+    """What f32 rounding can move the fused loss and each gradient entry by, in units of the unit roundoff:
+    (loss scale, (d index_q, d index_k, d index_weights)-shaped scales), float64. The loss scale is a float for
+    the scalar reductions, [B, S] for "none".
+
+    A = `indexer_score_rounding_scales`: f32 scores are off by ulps of A. A row's KL moves by
+    sum_s (Q_s - P_s) dI_s to first order, so the loss scale is |scale| / n sum over rows of sum_s (P_s + Q_s) A_s.
+    The gradients: SPEC §8's chain rule run with every factor in absolute value on |scale g / n| times
+    (Q + P) (an f32 Q - P is off by a few ulps of Q + P, however well Q and P cancel) plus Q_s (A_s + E_Q A) (I's
+    rounding moves Q_s by Q_s (dI_s - E_Q dI))."""
+    topk = kw.get("topk_indices")
+    I = indexer_scores(index_q, index_k, index_weights, topk)
+    A = indexer_score_rounding_scales(index_q, index_k, index_weights, topk)
     reduction, scale, cotangent = kw.pop("reduction", "mean"), kw.pop("scale", 1.0), kw.pop("cotangent", 1.0)
     shape, rows = _rows(q, compressed_kv, **kw)
     n = _divisor(reduction, np.zeros(shape[:2]), len(rows))  # 1 for "none"
     g = np.broadcast_to(np.abs(_f64(cotangent)), shape[:2])
-    A = indexer_score_rounding_scales(index_q, index_k, index_weights, kw.get("topk_indices"))
+    per_row = np.zeros(shape[:2])
     weight = np.zeros(shape)  # 0 outside V(t) and on empty rows, as `loss_grad`
     for (b, t), (slots, p, logq) in _student(I, shape, rows).items():
         q_row, a = np.exp(logq), A[b, t, slots]
-        # Q's own rounding moves Q - P by ulps of Q + P; I's rounding (ulps of A) moves Q_s by Q_s (dI_s - E_Q dI)
+        per_row[b, t] = abs(scale) * float(np.sum((p + q_row) * a)) / n
         weight[b, t, slots] = abs(scale) * g[b, t] * (q_row + p + q_row * (a + np.sum(q_row * a))) / n
-    return _chain_rule(index_q, index_k, index_weights, weight, kw.get("topk_indices"), absolute=True)
+    loss_scale = per_row if reduction == "none" else float(per_row.sum())
+    return loss_scale, _chain_rule(index_q, index_k, index_weights, weight, topk, absolute=True)
 
 
 def indexer_score_rounding_scales(index_q, index_k, index_weights, topk_indices=None):
     """A[t, s] = sum_j |w[t, j]| (|q_I[t, j]| . |k_I[s]|): what f32 rounding can move I[t, s] by, in units of the
     unit roundoff (its products and sums taken in absolute value); float64, shaped like `indexer_scores`."""
     return indexer_scores(np.abs(_f64(index_q)), np.abs(_f64(index_k)), np.abs(_f64(index_weights)), topk_indices)
-
-
-def fused_loss_rounding_scale(index_q, index_k, index_weights, q, compressed_kv, **kw):
-    """What f32 rounding of the scores I can move the fused loss by, in units of the unit roundoff: a row's KL
-    moves by sum_s (Q_s - P_s) dI_s to first order, so |scale| / n sum over rows of sum_s (P_s + Q_s) A_s
-    (`indexer_score_rounding_scales`). A float for the scalar reductions, [B, S] for "none"."""
-    I = indexer_scores(index_q, index_k, index_weights, kw.get("topk_indices"))
-    A = indexer_score_rounding_scales(index_q, index_k, index_weights, kw.get("topk_indices"))
-    reduction, scale = kw.pop("reduction", "mean"), kw.pop("scale", 1.0)
-    shape, rows = _rows(q, compressed_kv, **kw)
-    n = _divisor(reduction, np.zeros(shape[:2]), len(rows))
-    per_row = np.zeros(shape[:2])
-    for (b, t), (slots, p, logq) in _student(I, shape, rows).items():
-        per_row[b, t] = abs(scale) * float(np.sum((p + np.exp(logq)) * A[b, t, slots])) / n
-    return per_row if reduction == "none" else float(per_row.sum())
 
 
 def _chain_rule(index_q, index_k, index_weights, dI, topk, absolute=False):

@@ -81,16 +81,16 @@ def check(c, kw, target, *, implementation="xla", reduction="mean", scale=1.3, i
     expected = oracle.fused_loss(*args, **okw)
     # plus one unit roundoff of the scores' rounding scale: f32 scores are off by ulps of their terms' magnitudes,
     # which no f32 computation of the loss avoids (measured on drawn problems: within 0.05 units)
-    loss_bound = TOL * max(1.0, abs(expected)) + 2.0 ** -24 * oracle.fused_loss_rounding_scale(*args, **okw)
+    loss_scale, scales = oracle.fused_rounding_scales(*args, **okw)
+    loss_bound = TOL * max(1.0, abs(expected)) + 2.0 ** -24 * loss_scale
     assert abs(float(value) - expected) <= loss_bound, (float(value), expected, loss_bound)
     # An f32 Q - P is off by a few ulps of Q + P however well they cancel (e.g. Q = P on every row), and the chain
     # rule scales that by the inputs: each entry may also move by a few unit roundoffs of its own rounding scale
-    # (`oracle.fused_grad_rounding_scales`, which also carries the f32 scores' own rounding through Q since
+    # (`oracle.fused_rounding_scales`, which also carries the f32 scores' own rounding through Q since
     # 2026-12-07, when a longer random run found d_I = 128 problems beyond the Q + P term alone). Measured over 270
     # random problems like test_drawn_shapes' (Q + P term alone): the reference within 1 unit, the kernels within
     # 15 (their G enters the MXU as bf16 hi + lo, 2^-17 per term).
     ulps = ROUNDING_ULPS["xla" if implementation == "xla" else "pallas"]
-    scales = oracle.fused_grad_rounding_scales(*args, **okw)
     for name, got, want, scale_of in zip(("index_q", "index_k", "index_weights"), grads,
                                          oracle.fused_loss_grads(*args, **okw), scales):
         assert got.dtype == c[name].dtype, name

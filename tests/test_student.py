@@ -107,7 +107,7 @@ def check_drawn(seed, seq, index_heads, index_dim, sparse, reduction, **options)
 @settings(max_examples=6, deadline=None)
 @given(**DRAWN)
 # Found by a longer random run (2026-12-07): f32 scores of d_I = 128 dot products are off by more than 1e-6 of the
-# loss; the bounds now add the scores' rounding scale (`oracle.fused_loss_rounding_scale`)
+# loss; the bounds now add the scores' rounding scale (`oracle.fused_rounding_scales`)
 @example(seed=6, seq=12, index_heads=7, index_dim=128, sparse=True, reduction="sum")
 @example(seed=959, seq=20, index_heads=2, index_dim=128, sparse=False, reduction="mean")
 def test_drawn_shapes(**drawn):
