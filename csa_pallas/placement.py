@@ -16,8 +16,10 @@ themselves. The layout is read from, in order:
 
 q [B, S, H, D] decides: B over the batch axes, S over the sequence axis, H over the head axis, D never sharded.
 The other inputs are resharded to match (the key side is replicated over the sequence axis, see `sharding.py`).
-Inside a user's `jax.shard_map` (every mesh axis Manual) the op runs per device on what it is given, with check_vma
-True or False (`vary_alike`).
+Inside a user's `jax.shard_map` manual over every mesh axis, the op runs per device on what it is given, with
+check_vma True or False (`vary_alike`). Inside one manual over some axes only (`axis_names=`, a pipeline's "stage"),
+the manual axes have split the arrays already and the op shards over the others as above, in a shard_map nested
+over them (`shard_map`; differentiable where the user's shard_map has check_vma=False, see there).
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import sys
 from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 AxisNames = Union[None, str, Sequence[str]]
@@ -120,7 +124,8 @@ def _flax_rules_layout(mesh) -> Optional[_Declared]:
     def axes(dim: str) -> tuple:
         value = rules.get(FLAX_LOGICAL_AXES[dim])
         names = _names(f"Flax logical axis rule {FLAX_LOGICAL_AXES[dim]!r}", value)
-        return tuple(n for n in names if n in mesh.shape and mesh.shape[n] > 1)  # rules list axes of any mesh
+        # Rules list axes of any mesh; a manual axis has split the arrays already.
+        return tuple(n for n in names if n in mesh.shape and mesh.shape[n] > 1 and n not in manual_axes(mesh))
 
     batch, heads, seq = axes("batch"), axes("heads"), axes("seq")
     seq = tuple(n for n in seq if n not in batch + heads)
@@ -150,19 +155,23 @@ def resolve(q) -> Optional[Placement]:
         mesh = None if abstract.empty else abstract
     if mesh is None or mesh.size == 1:
         return None
-    types = set(mesh.axis_types)
-    if types == {AxisType.Manual}:  # inside a user's shard_map: the op sees per-device arrays
+    manual = manual_axes(mesh)
+    if any(mesh.shape[name] > 1 for name in mesh.axis_names if name not in manual):
+        mesh_types = set(t for n, t in zip(mesh.axis_names, mesh.axis_types) if n not in manual)
+    else:  # inside a user's shard_map manual over every axis that splits anything: the op runs per device
         return None
-    if AxisType.Manual in types:
-        raise ValueError(f"q: the op is traced inside a jax.shard_map that leaves mesh axes "
-                         f"{[n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual]} automatic; "
-                         f"make the shard_map manual over every axis (the op then runs per device) or call the op "
-                         f"outside it")
+    return _free_axes_placement(q, mesh, sharding, mesh_types, manual)
+
+
+def _free_axes_placement(q, mesh, sharding, types, manual) -> Placement:
+    """The placement over the mesh's non-manual axes: all of them outside a shard_map; inside one manual over some
+    axes (`axis_names=`, e.g. a pipeline's "stage"), the others, where the per-device arrays are still global."""
+    inside = f" inside a jax.shard_map manual over {sorted(manual)}" if manual else ""
     if AxisType.Explicit in types:
         if AxisType.Auto in types:
-            raise ValueError(f"q: the mesh {dict(mesh.shape)} mixes Explicit and Auto axes; csa_pallas reads the "
-                             f"sharding from Explicit axes only, so make them all Explicit or all Auto")
-        return _from_spec(jax.typeof(q).sharding.spec, mesh, "its Explicit sharding")
+            raise ValueError(f"q: the mesh {dict(mesh.shape)}{inside} mixes Explicit and Auto axes; csa_pallas reads "
+                             f"the sharding from Explicit axes only, so make them all Explicit or all Auto")
+        return _from_spec(jax.typeof(q).sharding.spec, mesh, "its Explicit sharding" + inside)
     if sharding is not None and not isinstance(q, jax.core.Tracer):
         return _from_spec(sharding.spec, mesh, "the array's sharding")
     declared = _DECLARED.get()
@@ -171,7 +180,7 @@ def resolve(q) -> Optional[Placement]:
         declared, source = _flax_rules_layout(mesh), "Flax logical axis rules"
     if declared is None:
         raise ValueError(
-            f"q: the inputs live on a mesh of {mesh.size} devices {dict(mesh.shape)} with Auto axes, whose "
+            f"q: the inputs live on a mesh of {mesh.size} devices {dict(mesh.shape)}{inside} with Auto axes, whose "
             f"shardings XLA decides after tracing, and the Pallas kernels cannot be partitioned by XLA. Declare how "
             f"the activations are sharded: `with csa_pallas.activation_sharding(batch=..., heads=..., seq=...):` "
             f"around the call (or Flax logical axis rules for {tuple(FLAX_LOGICAL_AXES.values())}, as MaxText sets), "
@@ -181,7 +190,51 @@ def resolve(q) -> Optional[Placement]:
             if name is not None and name not in mesh.shape:
                 raise ValueError(f"{source}: {arg} names mesh axis {name!r}, but the mesh's axes are "
                                  f"{tuple(mesh.shape)}")
-    return Placement(mesh, declared.batch, declared.heads, declared.seq, source)
+    # A manual axis has split the arrays already (each device holds its part): the op shards over the rest.
+    free = lambda name: None if name in manual else name
+    return Placement(mesh, tuple(n for n in declared.batch if n not in manual), free(declared.heads),
+                     free(declared.seq), source + inside)
+
+
+def manual_axes(mesh) -> frozenset:
+    """The names of the mesh's Manual axes (those of the jax.shard_map the op is traced in)."""
+    return frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
+
+
+def shard_map(fn, mesh, in_specs, out_specs):
+    """`jax.shard_map(fn, check_vma=False)` over the mesh's non-manual axes: every axis outside a user's
+    shard_map; inside one manual over some axes (`axis_names=`), a nested shard_map over the others.
+
+    JAX 0.10.2 cannot differentiate a shard_map nested in a `check_vma=True` shard_map that is manual over some
+    axes (`jnp.sin` alone fails, with a cotangent-type or Shardy-verifier error), so there the result is
+    forward-only: differentiating it raises a ValueError that says so instead of JAX's internal error."""
+    manual = manual_axes(mesh)
+    free = {n for n in mesh.axis_names if n not in manual}
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
+                           **(dict(axis_names=free) if manual else {}))
+    if not manual or not jax_config._check_vma.value:
+        return mapped
+    return functools.partial(_forward_only, mapped, tuple(sorted(manual)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _forward_only(mapped, manual: tuple, *args):
+    return mapped(*args)
+
+
+def _forward_only_fwd(mapped, manual, *args):
+    return mapped(*args), None
+
+
+def _forward_only_bwd(mapped, manual, residuals, cotangent):
+    raise ValueError(
+        f"csa_pallas: the op is differentiated inside a jax.shard_map(check_vma=True) that is manual over "
+        f"{list(manual)} only, and runs its kernels in a shard_map over the other mesh axes; JAX 0.10.2 cannot "
+        f"differentiate a shard_map nested that way (even around jnp.sin). Pass check_vma=False to your shard_map, "
+        f"or make it manual over every mesh axis (the op then runs per device)")
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
 
 
 def reshard_for_shard_map(tree, specs, mesh):
@@ -259,11 +312,19 @@ def zeros_varying_like(like, reference) -> jax.Array:
     return jax.lax.pcast(zeros, tuple(sorted(varying)), to="varying") if varying else zeros
 
 
-def check_outside_shard_map(q) -> None:
-    """The sharded entry points run their own shard_map over the whole mesh: raise when q is already manual."""
-    mesh = getattr(getattr(jax.typeof(q), "sharding", None), "mesh", None)
-    manual = [] if mesh is None else [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual]
-    if manual:
-        raise ValueError(f"mesh: the sharded op is called inside a jax.shard_map that is manual over {manual}; it "
-                         f"runs its own shard_map over the mesh, so call it outside, or call "
+def mesh_for_sharded_call(mesh, q):
+    """The mesh a sharded entry point's shard_map runs on. Outside any jax.shard_map: `mesh`. Inside one manual
+    over some of the axes (a pipeline's "stage"): the traced mesh of that context, whose other axes the op's
+    nested shard_map takes (`mesh` must have the same axes). Inside one manual over every axis: a ValueError."""
+    context = getattr(getattr(jax.typeof(q), "sharding", None), "mesh", None)
+    manual = set() if context is None else manual_axes(context)
+    if not manual:
+        return mesh
+    if manual == set(context.axis_names):
+        raise ValueError(f"mesh: the sharded op is called inside a jax.shard_map that is manual over {sorted(manual)}; "
+                         f"it runs its own shard_map over the mesh, so call it outside, or call "
                          f"csa_pallas.indexer_distill_loss inside (it then runs per device on the shard it is given)")
+    if dict(getattr(mesh, "shape", {})) != dict(context.shape):
+        raise ValueError(f"mesh: the op is traced inside a jax.shard_map over the mesh {dict(context.shape)}, got a "
+                         f"mesh {dict(getattr(mesh, 'shape', {}))}; pass the mesh the shard_map runs on")
+    return context

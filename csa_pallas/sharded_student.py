@@ -127,8 +127,8 @@ def sharded_fused_indexer_distill_loss(
     `sharded_indexer_distill_loss`. Returns the value of the unsharded op (f32 scalar, or [B, S] for
     reduction="none"), differentiable wrt index_q, index_k and index_weights (exact zeros for the teacher side).
     """
-    problem, axes = sharding._validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher,
-                                               config)
+    mesh, problem, axes = sharding._validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv,
+                                                     teacher, config)
     st = student_lib.validate_student(index_q, index_k, index_weights, batch=problem.batch, seq_len=problem.seq_len,
                                       num_blocks=problem.num_blocks, index_head_chunk=index_head_chunk)
     validation.check_reduction_args(reduction, scale)
@@ -177,8 +177,7 @@ def sharded_fused_indexer_distill_loss(
         return (kl, nonempty) if per_row else (jnp.sum(kl).reshape(1, 1), nonempty)
 
     spec = axes.loss_rows_spec()
-    out, nonempty = jax.shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=(spec, spec),
-                                  check_vma=False)(arrays)
+    out, nonempty = placement.shard_map(per_shard, mesh, in_specs=(specs,), out_specs=(spec, spec))(arrays)
     if per_row:
         return reference.reduce_rows(out, nonempty, reduction, scale)
     return reference.reduce_total(jnp.sum(out), nonempty, reduction, scale)

@@ -112,6 +112,9 @@ def _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem: Problem) -> MeshA
             raise ValueError(f"{arg}: {name!r} is not an axis of the mesh, whose axes are {tuple(mesh.shape)}")
         if name in used:
             raise ValueError(f"{arg}: mesh axis {name!r} is used for two dimensions")
+        if name in placement.manual_axes(mesh):
+            raise ValueError(f"{arg}: mesh axis {name!r} is manual in the jax.shard_map the op is traced in (each "
+                             f"device already holds its part of the arrays); name only the mesh's other axes")
         used.append(name)
     axes = MeshAxes(batch=batch_axes, heads=head_axis, seq=seq_axis)
     n_batch = math.prod(mesh.shape[a] for a in batch_axes)
@@ -154,16 +157,10 @@ def _global_ids(problem: Problem, axes: MeshAxes):
                 kv_segment_ids=problem.kv_segment_ids, kv_positions=problem.kv_positions)
 
 
-def _constrain(x, mesh, spec):
-    """x laid out as `spec` on `mesh`: a reshard on Explicit axes (the type changes), a constraint on Auto ones."""
-    if AxisType.Explicit in set(mesh.axis_types):
-        return jax.sharding.reshard(x, NamedSharding(mesh, spec))  # no `jax.set_mesh` context needed
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _cotangent_sharded_like(x, mesh, spec):
-    """Identity whose cotangent is laid out as `spec` (the logits' layout, not the kernels' internal one)."""
+    """Identity whose cotangent is laid out as `spec` (the logits' layout, not the kernels' internal one) on Auto
+    axes. On Explicit axes the cotangent keeps the input's own type, as JAX requires of a gradient."""
     return x
 
 
@@ -172,7 +169,9 @@ def _cotangent_sharded_like_fwd(x, mesh, spec):
 
 
 def _cotangent_sharded_like_bwd(mesh, spec, _, cotangent):
-    return (_constrain(cotangent, mesh, spec),)
+    if AxisType.Explicit in set(mesh.axis_types):  # the cotangent has the input's type (a reshard's transpose)
+        return (cotangent,)
+    return (jax.lax.with_sharding_constraint(cotangent, NamedSharding(mesh, spec)),)
 
 
 _cotangent_sharded_like.defvjp(_cotangent_sharded_like_fwd, _cotangent_sharded_like_bwd)
@@ -301,12 +300,13 @@ def _shard_inputs(problem: Problem, axes: MeshAxes, indexer_logits=None):
 
 
 def _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher: dict, config=None):
-    """(problem, axes); config: the teacher kernels' variant (`config=`), kept on the problem for every shard's."""
-    placement.check_outside_shard_map(q)
+    """(mesh, problem, axes): the mesh the shard_map runs on (`placement.mesh_for_sharded_call`); config: the teacher
+    kernels' variant (`config=`), kept on the problem for every shard's."""
+    mesh = placement.mesh_for_sharded_call(mesh, q)
     problem = dataclasses.replace(validation.validate(q, compressed_kv, **teacher),
                                   teacher_config=validation.freeze_config(config))
     axes = _mesh_axes(mesh, batch_axes, head_axis, seq_axis, problem)
-    return problem, axes
+    return mesh, problem, axes
 
 
 def _uses_pallas(problem: Problem) -> bool:
@@ -345,9 +345,11 @@ def sharded_indexer_distill_loss(
         head sums, and the KL of each device's owned rows runs its own default tiles.
     Returns the same value as the unsharded op (f32 scalar, or [B, S] for reduction="none"); differentiable wrt
     indexer_logits only, under jit and grad. Inside, the logits are split over rows by (seq_axis, head_axis); their
-    gradient comes back sharded P(batch_axes, seq_axis, None), the layout of activations on this mesh.
+    gradient comes back sharded P(batch_axes, seq_axis, None), the layout of activations on this mesh (Auto axes;
+    on Explicit axes, the logits' own type). Inside a jax.shard_map manual over some of the mesh's axes, it runs on
+    the others (`placement.mesh_for_sharded_call`).
     """
-    problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher, config)
+    mesh, problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher, config)
     validation.validate_logits(indexer_logits, problem)
     validation.check_reduction_args(reduction, scale)
     if not _uses_pallas(problem) or api.trivial_result(problem, reduction, scale) is not None:
@@ -366,8 +368,8 @@ def sharded_indexer_distill_loss(
         target, layout, plan, _ = _local_target(local, problem, axes, num_seq_shards, num_head_shards)
         return plan.kl_rows(local["logits"], target, layout)
 
-    rows, nonempty = jax.shard_map(per_shard, mesh=mesh, in_specs=(specs,),
-                                   out_specs=(axes.loss_rows_spec(), axes.loss_rows_spec()), check_vma=False)(arrays)
+    rows, nonempty = placement.shard_map(per_shard, mesh, in_specs=(specs,),
+                                         out_specs=(axes.loss_rows_spec(), axes.loss_rows_spec()))(arrays)
     return reference.reduce_rows(rows, nonempty, reduction, scale)
 
 
@@ -385,7 +387,7 @@ def sharded_teacher_distribution(
 ) -> jax.Array:
     """`csa_pallas.teacher_distribution` sharded like `sharded_indexer_distill_loss` (config= as there): f32
     [B, S, N] or [B, S, K], sharded over batch and over rows by (seq_axis, head_axis)."""
-    problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher, config)
+    mesh, problem, axes = _validate_sharded(mesh, batch_axes, head_axis, seq_axis, q, compressed_kv, teacher, config)
     if not _uses_pallas(problem) or not (problem.batch and problem.seq_len and problem.num_blocks):
         return api.teacher_distribution(q, compressed_kv, **teacher, config=config)
     num_seq_shards, num_head_shards = _axis_size(mesh, seq_axis), _axis_size(mesh, head_axis)
@@ -396,7 +398,7 @@ def sharded_teacher_distribution(
         target, _, _, rows_problem = _local_target(local, problem, axes, num_seq_shards, num_head_shards)
         return plans.positive_part(target[:, :rows_problem.seq_len, :problem.width])
 
-    return jax.shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=axes.kl_spec(), check_vma=False)(arrays)
+    return placement.shard_map(per_shard, mesh, in_specs=(specs,), out_specs=axes.kl_spec())(arrays)
 
 
 def sharded_noncompressed_lse(mesh, q, window_kv, *, batch_axes: AxisNames = None, head_axis: Optional[str] = None,
@@ -405,7 +407,7 @@ def sharded_noncompressed_lse(mesh, q, window_kv, *, batch_axes: AxisNames = Non
                               softmax_scale: Optional[float] = None, head_chunk: Optional[int] = None) -> jax.Array:
     """`csa_pallas.noncompressed_lse` (the window-LSE kernel, f32 [B, S, H]) sharded like the loss: batch, heads,
     and the query sequence with the W - 1 key halo from the previous shard. Pallas path only."""
-    placement.check_outside_shard_map(q)
+    mesh = placement.mesh_for_sharded_call(mesh, q)
     problem = validation.validate_window_args(
         q, window_kv, sinks=sinks, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
         kv_positions=kv_positions, window_size=window_size, softmax_scale=softmax_scale, head_chunk=head_chunk,
@@ -423,5 +425,4 @@ def sharded_noncompressed_lse(mesh, q, window_kv, *, batch_axes: AxisNames = Non
         specs["ids"] = {name: axes.rows_spec() for name in arrays["ids"]}
     arrays = placement.reshard_for_shard_map(arrays, specs, mesh)
     run = lambda local: _local_window_lse(local, problem, axes, num_seq_shards)
-    return jax.shard_map(run, mesh=mesh, in_specs=(specs,), out_specs=axes.head_stats_spec(),
-                         check_vma=False)(arrays)
+    return placement.shard_map(run, mesh, in_specs=(specs,), out_specs=axes.head_stats_spec())(arrays)

@@ -20,7 +20,7 @@ V5P_COMPILE_FILES = {"test_aot.py", "test_aot_chips.py", "test_aot_kernels.py", 
                      "test_aot_sharding.py", "test_aot_placement.py", "test_aot_student.py", "test_platform.py",
                      "test_demo.py"}
 SHARDED_FILES = {"test_sharding.py", "test_placement.py", "test_check_vma.py", "test_aot_sharding.py",
-                 "test_aot_placement.py", "test_sharded_student.py"}
+                 "test_aot_placement.py", "test_sharded_student.py", "test_partial_manual.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,188 @@
+"""The ops inside a user's `jax.shard_map` that is manual over some mesh axes only (`axis_names=`, e.g. a pipeline's
+"stage"): the manual axis has split the arrays already, and the op shards over the other axes (Auto with a declared
+layout or Flax rules, or Explicit) in a shard_map nested over them (`placement.shard_map`). On 8 CPU host devices,
+mesh {stage: 2, data: 2, heads: 2}; every result equals the XLA reference run on the whole arrays outside any
+shard_map. Differentiable when the user's shard_map has check_vma=False; with check_vma=True (JAX's default) the
+forward runs and differentiating raises the ValueError that names the JAX 0.10.2 limitation."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import csa_pallas
+from csa_pallas import aot
+from aot_cases import require_libtpu
+from test_placement import make_mesh
+
+B, S, H, D, M, W, K, HI, DI = 4, 32, 2, 16, 4, 8, 4, 2, 16
+N = S // M
+STAGE = P("stage")  # the user's shard_map splits the batch over the pipeline stages
+
+
+def _inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    half = np.arange(S) >= S // 2
+    return dict(
+        logits=normal(B, S, N), sparse_logits=normal(B, S, K), q=normal(B, S, H, D), kv=normal(B, N, D),
+        window=normal(B, S, D), sinks=normal(H), index_q=normal(B, S, HI, DI), index_k=normal(B, N, DI),
+        index_w=normal(B, S, HI), topk=jnp.asarray(rng.integers(-1, N, (B, S, K)), jnp.int32),
+        segments=jnp.asarray(np.broadcast_to(half.astype(np.int32), (B, S))),
+        positions=jnp.asarray(np.broadcast_to(np.where(half, np.arange(S) - S // 2, np.arange(S)), (B, S)),
+                              jnp.int32),
+        loss_mask=jnp.asarray(rng.random((B, S)) > 0.25))
+
+
+def _explicit_rows(q):
+    """On Explicit axes the user's code gives q its layout: batch over "data", heads over "heads"."""
+    if AxisType.Explicit in set(jax.sharding.get_abstract_mesh().axis_types):
+        return jax.sharding.reshard(q, P("data", None, "heads", None))
+    return q
+
+
+def _loss_rows(sparse, implementation="pallas"):
+    """The per-row loss and its VJP with a data-dependent cotangent (joint target, packed, loss_mask)."""
+    def fn(x, q, kv, window, sinks, topk, segments, positions, loss_mask):
+        loss, vjp = jax.vjp(lambda y: csa_pallas.indexer_distill_loss(
+            y, _explicit_rows(q), kv, window_kv=window, sinks=sinks, topk_indices=topk if sparse else None,
+            segment_ids=segments, positions=positions, loss_mask=loss_mask, compress_ratio=M, window_size=W,
+            target="joint", reduction="none", implementation=implementation), x)
+        return loss, vjp(jnp.cos(loss))[0]
+    return fn
+
+
+def _fused_rows(sparse, implementation="pallas"):
+    def fn(iq, ik, iw, q, kv, topk):
+        loss, vjp = jax.vjp(lambda *student: csa_pallas.fused_indexer_distill_loss(
+            *student, _explicit_rows(q), kv, topk_indices=topk if sparse else None, compress_ratio=M,
+            target="per_head", reduction="none", implementation=implementation), iq, ik, iw)
+        return loss, vjp(jnp.cos(loss))
+    return fn
+
+
+LOSS_ARGS = ("logits", "q", "kv", "window", "sinks", "topk", "segments", "positions", "loss_mask")
+SPARSE_ARGS = ("sparse_logits",) + LOSS_ARGS[1:]
+FUSED_ARGS = ("index_q", "index_k", "index_w", "q", "kv", "topk")
+CASES = {  # name: (fn, the XLA reference fn, input names, in_specs); sinks replicated over the stages
+    "dense_joint_packed": (_loss_rows(False), _loss_rows(False, "xla"), LOSS_ARGS, (STAGE,) * 4 + (P(),) + (STAGE,) * 4),
+    "sparse_joint_packed": (_loss_rows(True), _loss_rows(True, "xla"), SPARSE_ARGS,
+                            (STAGE,) * 4 + (P(),) + (STAGE,) * 4),
+    "fused_sparse": (_fused_rows(True), _fused_rows(True, "xla"), FUSED_ARGS, (STAGE,) * 6),
+}
+
+
+def _in_partial_shard_map(fn, mesh, in_specs, check_vma, declared=True):
+    """fn in a jax.shard_map manual over "stage" only, its results split over "stage" (batch first)."""
+    def body(*args):
+        if not declared or AxisType.Explicit in set(mesh.axis_types):
+            return fn(*args)
+        with csa_pallas.activation_sharding(batch="data", heads="heads"):
+            return fn(*args)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=STAGE, axis_names={"stage"},
+                         check_vma=check_vma)
+
+
+def _assert_close(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_and_gradient_inside_a_shard_map_manual_over_stage_equal_the_reference(name, axis_type):
+    fn, reference_fn, names, in_specs = CASES[name]
+    mesh = make_mesh({"stage": 2, "data": 2, "heads": 2}, axis_type)
+    arrays = _inputs(1)
+    args = [arrays[n] for n in names]
+    with jax.set_mesh(mesh):
+        got = jax.jit(_in_partial_shard_map(fn, mesh, in_specs, check_vma=False))(*args)
+        traced = jax.jit(_in_partial_shard_map(fn, mesh, in_specs, check_vma=False)).trace(*args).jaxpr
+    _assert_close(got, jax.jit(reference_fn)(*args))
+    # The op's own shard_map, nested over the axes the user's left automatic.
+    nested = [e for e in traced.eqns[0].params["jaxpr"].eqns if e.primitive.name == "shard_map"]
+    assert nested and all(set(e.params["newly_manual_axes"]) == {"data", "heads"} for e in nested)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_check_vma_true_runs_forward_and_names_the_jax_limit_when_differentiated(axis_type):
+    mesh = make_mesh({"stage": 2, "data": 2, "heads": 2}, axis_type)
+    arrays = _inputs(2)
+    names, in_specs = SPARSE_ARGS, CASES["sparse_joint_packed"][3]
+    args = [arrays[n] for n in names]
+
+    def loss(x, q, kv, window, sinks, topk, segments, positions, loss_mask):
+        return csa_pallas.indexer_distill_loss(
+            x, _explicit_rows(q), kv, window_kv=window, sinks=sinks, topk_indices=topk, segment_ids=segments,
+            positions=positions, loss_mask=loss_mask, compress_ratio=M, window_size=W, reduction="none")
+    reference = csa_pallas.indexer_distill_loss(
+        arrays["sparse_logits"], arrays["q"], arrays["kv"], window_kv=arrays["window"], sinks=arrays["sinks"],
+        topk_indices=arrays["topk"], segment_ids=arrays["segments"], positions=arrays["positions"],
+        loss_mask=arrays["loss_mask"], compress_ratio=M, window_size=W, reduction="none", implementation="xla")
+    mapped = _in_partial_shard_map(loss, mesh, in_specs, check_vma=True)
+    with jax.set_mesh(mesh):
+        _assert_close(jax.jit(mapped)(*args), reference)
+        with pytest.raises(ValueError, match=r"^csa_pallas: the op is differentiated inside a "
+                                             r"jax.shard_map\(check_vma=True\) that is manual over \['stage'\] only.*"
+                                             r"Pass check_vma=False"):
+            jax.jit(jax.grad(lambda x: jnp.sum(mapped(x, *args[1:])))).trace(args[0])
+
+
+def test_teacher_window_lse_and_flax_rules_inside_a_shard_map_manual_over_stage():
+    """The teacher and the window LSE under Flax logical axis rules that also name the manual axis (MaxText's
+    rules list every batch axis): "stage" has split the arrays already, so the op shards over "data" only."""
+    mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
+    a = _inputs(3)
+
+    def ops(q, kv, topk, window, sinks):
+        rules = (("activation_batch", ("stage", "data")), ("activation_heads", "heads"))
+        with nn.logical_axis_rules(rules):
+            return (csa_pallas.teacher_distribution(q, kv, topk_indices=topk, compress_ratio=M, target="per_head"),
+                    csa_pallas.noncompressed_lse(q, window, sinks=sinks, window_size=W))
+    args = (a["q"], a["kv"], a["topk"], a["window"], a["sinks"])
+    mapped = _in_partial_shard_map(ops, mesh, (STAGE,) * 4 + (P(),), check_vma=True, declared=False)
+    with jax.set_mesh(mesh):
+        got = jax.jit(mapped)(*args)
+    want = (csa_pallas.teacher_distribution(a["q"], a["kv"], topk_indices=a["topk"], compress_ratio=M,
+                                            target="per_head", implementation="xla"),
+            csa_pallas.noncompressed_lse(a["q"], a["window"], sinks=a["sinks"], window_size=W, implementation="xla"))
+    _assert_close(got, want)
+
+
+def test_sharded_entry_point_inside_a_shard_map_manual_over_stage():
+    """`sharded_indexer_distill_loss(mesh, ...)` inside the user's shard_map takes the axes the user left
+    automatic; naming the manual axis is a ValueError naming the argument."""
+    mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
+    a = _inputs(4)
+
+    def loss(x, q, kv, batch_axes):
+        return csa_pallas.sharded_indexer_distill_loss(mesh, x, q, kv, batch_axes=batch_axes, head_axis="heads",
+                                                       compress_ratio=M, target="per_head", reduction="none")
+    args = (a["logits"], a["q"], a["kv"])
+    with jax.set_mesh(mesh):
+        got = jax.jit(_in_partial_shard_map(lambda *x: loss(*x, "data"), mesh, (STAGE,) * 3, False, False))(*args)
+        with pytest.raises(ValueError, match=r"^batch_axes: mesh axis 'stage' is manual in the jax.shard_map"):
+            jax.jit(_in_partial_shard_map(lambda *x: loss(*x, ("stage", "data")), mesh, (STAGE,) * 3, False,
+                                          False)).trace(*args)
+    _assert_close(got, csa_pallas.indexer_distill_loss(*args, compress_ratio=M, target="per_head",
+                                                       reduction="none", implementation="xla"))
+
+
+def test_partial_manual_shard_map_compiles_for_v5p():
+    """Mosaic kernels in the op's nested shard_map over "data", inside a check_vma=False shard_map manual over
+    "stage" (v5p:2x2x1), forward and backward."""
+    require_libtpu()
+    mesh = aot.tpu_mesh("v5p:2x2x1", {"stage": 2, "data": 2})
+    fn, _, names, in_specs = CASES["sparse_joint_packed"]
+    arrays = _inputs(5)
+    structs = [aot.sharded_struct(arrays[n].shape, arrays[n].dtype, mesh, spec) for n, spec in zip(names, in_specs)]
+
+    def body(*args):
+        with csa_pallas.activation_sharding(batch="data"):
+            return fn(*args)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=STAGE, axis_names={"stage"},
+                           check_vma=False)
+    with jax.set_mesh(mesh):
+        assert "tpu_custom_call" in jax.jit(mapped).lower(*structs).compile().as_text()
