@@ -156,11 +156,10 @@ def resolve(q) -> Optional[Placement]:
     if mesh is None or mesh.size == 1:
         return None
     manual = manual_axes(mesh)
-    if any(mesh.shape[name] > 1 for name in mesh.axis_names if name not in manual):
-        mesh_types = set(t for n, t in zip(mesh.axis_names, mesh.axis_types) if n not in manual)
-    else:  # inside a user's shard_map manual over every axis that splits anything: the op runs per device
-        return None
-    return _free_axes_placement(q, mesh, sharding, mesh_types, manual)
+    if all(mesh.shape[n] == 1 for n in mesh.axis_names if n not in manual):
+        return None  # inside a user's shard_map manual over every axis that splits anything: the op runs per device
+    free_types = {t for n, t in zip(mesh.axis_names, mesh.axis_types) if n not in manual}
+    return _free_axes_placement(q, mesh, sharding, free_types, manual)
 
 
 def _free_axes_placement(q, mesh, sharding, types, manual) -> Placement:
