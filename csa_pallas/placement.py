@@ -33,6 +33,7 @@ from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import config as jax_config
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -204,36 +205,85 @@ def shard_map(fn, mesh, in_specs, out_specs):
     """`jax.shard_map(fn, check_vma=False)` over the mesh's non-manual axes: every axis outside a user's
     shard_map; inside one manual over some axes (`axis_names=`), a nested shard_map over the others.
 
-    JAX 0.10.2 cannot differentiate a shard_map nested in a `check_vma=True` shard_map that is manual over some
-    axes (`jnp.sin` alone fails, with a cotangent-type or Shardy-verifier error), so there the result is
-    forward-only: differentiating it raises a ValueError that says so instead of JAX's internal error."""
+    JAX 0.10.2 cannot transpose a shard_map nested in a `check_vma=True` shard_map that is manual over some axes
+    (`jnp.sin` alone fails: a cotangent-type error with the inner check_vma False, a Shardy verifier error with it
+    True), so there the nested shard_map gets its own VJP (`_nested_with_own_vjp`): nothing is transposed."""
     manual = manual_axes(mesh)
-    free = {n for n in mesh.axis_names if n not in manual}
-    mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
-                           **(dict(axis_names=free) if manual else {}))
-    if not manual or not jax_config._check_vma.value:
-        return mapped
-    return functools.partial(_forward_only, mapped, tuple(sorted(manual)))
+    free = frozenset(n for n in mesh.axis_names if n not in manual)
+    if not manual:
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    if not jax_config._check_vma.value:
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, axis_names=free)
+    return functools.partial(_nested_with_own_vjp, fn, mesh, in_specs, out_specs, free)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _forward_only(mapped, manual: tuple, *args):
-    return mapped(*args)
+def _nested_with_own_vjp(fn, mesh, in_specs, out_specs, free, *args):
+    """fn(*args) in a check_vma=True shard_map over the axes `free`, differentiable without JAX transposing a
+    shard_map: under differentiation the forward shard_map also returns each device's VJP residuals (stacked over
+    the free axes' devices) and the backward is a second shard_map that applies them. Integer inputs get no
+    cotangent; an input replicated over an axis gets its cotangent summed over it (`call`'s pcast)."""
+    leaves, in_tree = jax.tree.flatten(args)
+    leaf_specs = _leaf_specs(in_specs, args)
+    inexact = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+    stacked = P(tuple(sorted(free)))  # device i's residual at row i
+    nested = functools.partial(jax.shard_map, mesh=mesh, axis_names=set(free), check_vma=True)
+    traced = {}
+
+    def call(local):
+        # Every input made to vary over every axis any input varies over, the free ones included, so that the
+        # op's custom_vjps see one type (as `vary_alike`); pcast's transpose sums a replicated input's cotangent.
+        every = frozenset(free).union(*(_varying(x) for x in local))
+        local = [jax.lax.pcast(x, tuple(sorted(every - _varying(x))), to="varying") if every - _varying(x) else x
+                 for x in local]
+        return fn(*jax.tree.unflatten(in_tree, local))
+
+    def forward_body(*local):
+        def of_inexact(*xs):
+            it = iter(xs)
+            return call([next(it) if d else x for x, d in zip(local, inexact)])
+        out, vjp_fn = jax.vjp(of_inexact, *[x for x, d in zip(local, inexact) if d])
+        residuals, traced["vjp_tree"] = jax.tree.flatten(vjp_fn)
+        traced["out"], traced["out_tree"] = jax.tree.flatten(jax.tree.map(jax.typeof, out))
+        return out, [r[None] for r in residuals]
+
+    @jax.custom_vjp
+    def op(*flat):
+        return nested(lambda *local: call(list(local)), in_specs=tuple(leaf_specs), out_specs=out_specs)(*flat)
+
+    def op_fwd(*flat):
+        return nested(forward_body, in_specs=tuple(leaf_specs), out_specs=(out_specs, stacked))(*flat)
+
+    def op_bwd(residuals, cotangent):
+        out_leaf_specs = _leaf_specs(out_specs, cotangent)
+        cts = [c for c, o in zip(jax.tree.leaves(cotangent), traced["out"]) if jnp.issubdtype(o.dtype, jnp.inexact)]
+        ct_specs = [s for s, o in zip(out_leaf_specs, traced["out"]) if jnp.issubdtype(o.dtype, jnp.inexact)]
+
+        def backward_body(local_residuals, *local_cts):
+            vjp_fn = jax.tree.unflatten(traced["vjp_tree"], [r[0] for r in local_residuals])
+            it = iter(local_cts)
+            full = [_typed_like(next(it), o) if jnp.issubdtype(o.dtype, jnp.inexact)
+                    else np.zeros(o.shape, jax.dtypes.float0) for o in traced["out"]]
+            return list(vjp_fn(jax.tree.unflatten(traced["out_tree"], full)))
+        grads = iter(nested(backward_body, in_specs=(stacked, *ct_specs),
+                            out_specs=[s for s, d in zip(leaf_specs, inexact) if d])(residuals, *cts))
+        return tuple(next(grads) if d else None for d in inexact)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op(*leaves)
 
 
-def _forward_only_fwd(mapped, manual, *args):
-    return mapped(*args), None
+def _leaf_specs(specs, tree) -> list:
+    """The PartitionSpec of each leaf of `tree`, from `specs`, a prefix of it (shard_map's in_specs / out_specs)."""
+    per_subtree = jax.tree.map(lambda spec, sub: [spec] * len(jax.tree.leaves(sub)), specs, tree,
+                               is_leaf=lambda x: isinstance(x, P))
+    return [s for group in jax.tree.leaves(per_subtree, is_leaf=lambda x: isinstance(x, list)) for s in group]
 
 
-def _forward_only_bwd(mapped, manual, residuals, cotangent):
-    raise ValueError(
-        f"csa_pallas: the op is differentiated inside a jax.shard_map(check_vma=True) that is manual over "
-        f"{list(manual)} only, and runs its kernels in a shard_map over the other mesh axes; JAX 0.10.2 cannot "
-        f"differentiate a shard_map nested that way (even around jnp.sin). Pass check_vma=False to your shard_map, "
-        f"or make it manual over every mesh axis (the op then runs per device)")
-
-
-_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+def _typed_like(cotangent, aval):
+    """cotangent made to vary over the manual axes its output `aval` varies over (a cotangent of a sum does not)."""
+    want = getattr(getattr(aval, "manual_axis_type", None), "varying", None) or frozenset()
+    missing = tuple(sorted(want - _varying(cotangent)))
+    return jax.lax.pcast(cotangent, missing, to="varying") if missing else cotangent
 
 
 def reshard_for_shard_map(tree, specs, mesh):

@@ -1,9 +1,11 @@
 """The ops inside a user's `jax.shard_map` that is manual over some mesh axes only (`axis_names=`, e.g. a pipeline's
 "stage"): the manual axis has split the arrays already, and the op shards over the other axes (Auto with a declared
 layout or Flax rules, or Explicit) in a shard_map nested over them (`placement.shard_map`). On 8 CPU host devices,
-mesh {stage: 2, data: 2, heads: 2}; every result equals the XLA reference run on the whole arrays outside any
-shard_map. Differentiable when the user's shard_map has check_vma=False; with check_vma=True (JAX's default) the
-forward runs and differentiating raises the ValueError that names the JAX 0.10.2 limitation."""
+mesh {stage: 2, data: 2, heads: 2}; every result, gradients included, equals the XLA reference run on the whole
+arrays outside any shard_map, with the user's check_vma True (JAX's default; the nested shard_map then carries its
+own VJP, JAX 0.10.2 cannot transpose it) or False."""
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -90,44 +92,23 @@ def _assert_close(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "unchecked"])
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_loss_and_gradient_inside_a_shard_map_manual_over_stage_equal_the_reference(name, axis_type):
+def test_loss_and_gradient_inside_a_shard_map_manual_over_stage_equal_the_reference(name, axis_type, check_vma):
     fn, reference_fn, names, in_specs = CASES[name]
     mesh = make_mesh({"stage": 2, "data": 2, "heads": 2}, axis_type)
     arrays = _inputs(1)
     args = [arrays[n] for n in names]
     with jax.set_mesh(mesh):
-        got = jax.jit(_in_partial_shard_map(fn, mesh, in_specs, check_vma=False))(*args)
-        traced = jax.jit(_in_partial_shard_map(fn, mesh, in_specs, check_vma=False)).trace(*args).jaxpr
+        got = jax.jit(_in_partial_shard_map(fn, mesh, in_specs, check_vma=check_vma))(*args)
+        traced = jax.jit(_in_partial_shard_map(fn, mesh, in_specs, check_vma=check_vma)).trace(*args).jaxpr
     _assert_close(got, jax.jit(reference_fn)(*args))
-    # The op's own shard_map, nested over the axes the user's left automatic.
+    # The op's own shard_maps, forward and backward, nested over the axes left automatic (with check_vma the
+    # backward is the op's own, without it JAX's transpose).
     nested = [e for e in traced.eqns[0].params["jaxpr"].eqns if e.primitive.name == "shard_map"]
-    assert nested and all(set(e.params["newly_manual_axes"]) == {"data", "heads"} for e in nested)
-
-
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
-def test_check_vma_true_runs_forward_and_names_the_jax_limit_when_differentiated(axis_type):
-    mesh = make_mesh({"stage": 2, "data": 2, "heads": 2}, axis_type)
-    arrays = _inputs(2)
-    names, in_specs = SPARSE_ARGS, CASES["sparse_joint_packed"][3]
-    args = [arrays[n] for n in names]
-
-    def loss(x, q, kv, window, sinks, topk, segments, positions, loss_mask):
-        return csa_pallas.indexer_distill_loss(
-            x, _explicit_rows(q), kv, window_kv=window, sinks=sinks, topk_indices=topk, segment_ids=segments,
-            positions=positions, loss_mask=loss_mask, compress_ratio=M, window_size=W, reduction="none")
-    reference = csa_pallas.indexer_distill_loss(
-        arrays["sparse_logits"], arrays["q"], arrays["kv"], window_kv=arrays["window"], sinks=arrays["sinks"],
-        topk_indices=arrays["topk"], segment_ids=arrays["segments"], positions=arrays["positions"],
-        loss_mask=arrays["loss_mask"], compress_ratio=M, window_size=W, reduction="none", implementation="xla")
-    mapped = _in_partial_shard_map(loss, mesh, in_specs, check_vma=True)
-    with jax.set_mesh(mesh):
-        _assert_close(jax.jit(mapped)(*args), reference)
-        with pytest.raises(ValueError, match=r"^csa_pallas: the op is differentiated inside a "
-                                             r"jax.shard_map\(check_vma=True\) that is manual over \['stage'\] only.*"
-                                             r"Pass check_vma=False"):
-            jax.jit(jax.grad(lambda x: jnp.sum(mapped(x, *args[1:])))).trace(args[0])
+    assert len(nested) == 2
+    assert all(set(e.params["newly_manual_axes"]) == {"data", "heads"} for e in nested)
 
 
 def test_teacher_window_lse_and_flax_rules_inside_a_shard_map_manual_over_stage():
@@ -170,9 +151,29 @@ def test_sharded_entry_point_inside_a_shard_map_manual_over_stage():
                                                        reduction="none", implementation="xla"))
 
 
-def test_partial_manual_shard_map_compiles_for_v5p():
-    """Mosaic kernels in the op's nested shard_map over "data", inside a check_vma=False shard_map manual over
-    "stage" (v5p:2x2x1), forward and backward."""
+def test_jax_smap_over_stage_loss_and_gradient():
+    """`jax.smap` (a shard_map manual over one axis, check_vma on) over the stages, the op inside sharding its rows
+    over "data" and "heads": the loss and its gradient equal the reference's."""
+    mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
+    a = _inputs(6)
+
+    def loss(x, q, kv):
+        with csa_pallas.activation_sharding(batch="data", heads="heads"):
+            return csa_pallas.indexer_distill_loss(x, q, kv, compress_ratio=M, target="per_head", reduction="none")
+    staged = jax.smap(loss, in_axes=0, out_axes=0, axis_name="stage")
+    value_and_grad = lambda f: jax.jit(lambda x, q, kv: jax.vjp(lambda y: f(y, q, kv), x)[1](jnp.cos(f(x, q, kv))))
+    args = (a["logits"], a["q"], a["kv"])
+    with jax.set_mesh(mesh):
+        got = jax.jit(staged)(*args), value_and_grad(staged)(*args)
+    reference = functools.partial(csa_pallas.indexer_distill_loss, compress_ratio=M, target="per_head",
+                                  reduction="none", implementation="xla")
+    _assert_close(got, (reference(*args), value_and_grad(reference)(*args)))
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "unchecked"])
+def test_partial_manual_shard_map_compiles_for_v5p(check_vma):
+    """Mosaic kernels in the op's nested shard_map over "data", inside a shard_map manual over "stage"
+    (v5p:2x2x1), loss and gradient: with check_vma the op's own forward and backward shard_maps."""
     require_libtpu()
     mesh = aot.tpu_mesh("v5p:2x2x1", {"stage": 2, "data": 2})
     fn, _, names, in_specs = CASES["sparse_joint_packed"]
@@ -183,6 +184,6 @@ def test_partial_manual_shard_map_compiles_for_v5p():
         with csa_pallas.activation_sharding(batch="data"):
             return fn(*args)
     mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=STAGE, axis_names={"stage"},
-                           check_vma=False)
+                           check_vma=check_vma)
     with jax.set_mesh(mesh):
         assert "tpu_custom_call" in jax.jit(mapped).lower(*structs).compile().as_text()
