@@ -33,7 +33,6 @@ from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax._src import config as jax_config
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -238,12 +237,18 @@ def _nested_with_own_vjp(fn, mesh, in_specs, out_specs, free, *args):
         return fn(*jax.tree.unflatten(in_tree, local))
 
     def forward_body(*local):
-        def of_inexact(*xs):
+        def of_inexact(*xs):  # (inexact outputs, the others): only the former are differentiated
             it = iter(xs)
-            return call([next(it) if d else x for x, d in zip(local, inexact)])
-        out, vjp_fn = jax.vjp(of_inexact, *[x for x, d in zip(local, inexact) if d])
+            flat, traced["out_tree"] = jax.tree.flatten(call([next(it) if d else x for x, d in zip(local, inexact)]))
+            traced["out_inexact"] = [jnp.issubdtype(x.dtype, jnp.inexact) for x in flat]
+            return ([x for x, d in zip(flat, traced["out_inexact"]) if d],
+                    [x for x, d in zip(flat, traced["out_inexact"]) if not d])
+        outs, vjp_fn, others = jax.vjp(of_inexact, *[x for x, d in zip(local, inexact) if d], has_aux=True)
         residuals, traced["vjp_tree"] = jax.tree.flatten(vjp_fn)
-        traced["out"], traced["out_tree"] = jax.tree.flatten(jax.tree.map(jax.typeof, out))
+        traced["out_types"] = [jax.typeof(x) for x in outs]
+        outs, others = iter(outs), iter(others)
+        out = jax.tree.unflatten(traced["out_tree"], [next(outs) if d else next(others)
+                                                      for d in traced["out_inexact"]])
         return out, [r[None] for r in residuals]
 
     @jax.custom_vjp
@@ -254,16 +259,12 @@ def _nested_with_own_vjp(fn, mesh, in_specs, out_specs, free, *args):
         return nested(forward_body, in_specs=tuple(leaf_specs), out_specs=(out_specs, stacked))(*flat)
 
     def op_bwd(residuals, cotangent):
-        out_leaf_specs = _leaf_specs(out_specs, cotangent)
-        cts = [c for c, o in zip(jax.tree.leaves(cotangent), traced["out"]) if jnp.issubdtype(o.dtype, jnp.inexact)]
-        ct_specs = [s for s, o in zip(out_leaf_specs, traced["out"]) if jnp.issubdtype(o.dtype, jnp.inexact)]
+        pick = lambda items: [x for x, d in zip(items, traced["out_inexact"]) if d]
+        cts, ct_specs = pick(jax.tree.leaves(cotangent)), pick(_leaf_specs(out_specs, cotangent))
 
         def backward_body(local_residuals, *local_cts):
             vjp_fn = jax.tree.unflatten(traced["vjp_tree"], [r[0] for r in local_residuals])
-            it = iter(local_cts)
-            full = [_typed_like(next(it), o) if jnp.issubdtype(o.dtype, jnp.inexact)
-                    else np.zeros(o.shape, jax.dtypes.float0) for o in traced["out"]]
-            return list(vjp_fn(jax.tree.unflatten(traced["out_tree"], full)))
+            return list(vjp_fn([_typed_like(c, t) for c, t in zip(local_cts, traced["out_types"])]))
         grads = iter(nested(backward_body, in_specs=(stacked, *ct_specs),
                             out_specs=[s for s, d in zip(leaf_specs, inexact) if d])(residuals, *cts))
         return tuple(next(grads) if d else None for d in inexact)

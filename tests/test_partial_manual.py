@@ -111,6 +111,26 @@ def test_loss_and_gradient_inside_a_shard_map_manual_over_stage_equal_the_refere
     assert all(set(e.params["newly_manual_axes"]) == {"data", "heads"} for e in nested)
 
 
+@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "unchecked"])
+def test_fused_mean_loss_and_its_three_gradients_per_stage(check_vma):
+    """reduction="mean" (a scalar per stage, the non-empty-row flags a boolean output of the op's shard_map) and
+    value_and_grad of the fused sparse op: each stage's loss and gradients are the reference's on its rows."""
+    mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
+    a = _inputs(7)
+
+    def fused(iq, ik, iw, q, kv, topk, implementation="pallas"):
+        loss = lambda *student: csa_pallas.fused_indexer_distill_loss(
+            *student, q, kv, topk_indices=topk, compress_ratio=M, target="per_head", implementation=implementation)
+        value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(iq, ik, iw)
+        return value[None], grads
+    args = [a[n] for n in FUSED_ARGS]
+    mapped = _in_partial_shard_map(fused, mesh, (STAGE,) * 6, check_vma=check_vma)
+    with jax.set_mesh(mesh):
+        got = jax.jit(mapped)(*args)
+    per_stage = [fused(*[x[2 * s:2 * s + 2] for x in args], implementation="xla") for s in range(2)]
+    _assert_close(got, jax.tree.map(lambda *parts: jnp.concatenate(parts), *per_stage))
+
+
 def test_teacher_window_lse_and_flax_rules_inside_a_shard_map_manual_over_stage():
     """The teacher and the window LSE under Flax logical axis rules that also name the manual axis (MaxText's
     rules list every batch axis): "stage" has split the arrays already, so the op shards over "data" only."""
