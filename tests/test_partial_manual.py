@@ -131,6 +131,49 @@ def test_fused_mean_loss_and_its_three_gradients_per_stage(check_vma):
     _assert_close(got, jax.tree.map(lambda *parts: jnp.concatenate(parts), *per_stage))
 
 
+def _sparse_loss(x, q, kv, topk, implementation="pallas"):
+    return csa_pallas.indexer_distill_loss(x, q, kv, topk_indices=topk, compress_ratio=M, target="per_head",
+                                           implementation=implementation)
+
+
+def _scanned_remat(x, q, kv, topk, implementation="pallas"):  # a stage's layers: a scan of rematted losses
+    def layer(total, scale):
+        value, grad = jax.value_and_grad(jax.checkpoint(lambda y: _sparse_loss(y, q, kv, topk, implementation)))(
+            x * scale)
+        return total + value, grad
+    total, grads = jax.lax.scan(layer, jnp.zeros_like(x[0, 0, 0]), jnp.asarray([1.0, 0.5]))
+    return total[None], grads
+
+
+def _vmapped(x, q, kv, topk, implementation="pallas"):  # two problems per batch row, the vmapped axis second
+    stacked = [jnp.stack([v, v[::-1]], axis=1) for v in (x, q, kv, topk)]
+    loss = jax.value_and_grad(lambda *z: _sparse_loss(*z, implementation=implementation))
+    values, grads = jax.vmap(loss, in_axes=1, out_axes=(0, 1))(*stacked)
+    return jnp.sum(values)[None], grads
+
+
+@pytest.mark.parametrize("fn", [_scanned_remat, _vmapped], ids=["scan_remat", "vmap"])
+def test_scanned_remat_and_vmap_inside_a_check_vma_shard_map_manual_over_stage(fn):
+    """The model patterns around the op's own VJP: a scan of rematted layers and a vmap, per stage."""
+    mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
+    a = _inputs(8)
+    args = [a[n] for n in ("sparse_logits", "q", "kv", "topk")]
+    grads_spec = P(None, "stage") if fn is _scanned_remat else STAGE
+
+    def body(*local):
+        with csa_pallas.activation_sharding(batch="data", heads="heads"):
+            return fn(*local)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(STAGE,) * 4, out_specs=(STAGE, grads_spec),
+                           axis_names={"stage"}, check_vma=True)
+    with jax.set_mesh(mesh):
+        values, grads = jax.jit(mapped)(*args)
+    for stage in range(2):
+        rows = slice(2 * stage, 2 * stage + 2)
+        want_value, want_grads = fn(*[x[rows] for x in args], implementation="xla")
+        _assert_close((values[stage], grads[:, rows] if fn is _scanned_remat else grads[rows]),
+                      (want_value[0], want_grads))
+
+
 def test_teacher_window_lse_and_flax_rules_inside_a_shard_map_manual_over_stage():
     """The teacher and the window LSE under Flax logical axis rules that also name the manual axis (MaxText's
     rules list every batch axis): "stage" has split the arrays already, so the op shards over "data" only."""
