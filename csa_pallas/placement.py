@@ -232,8 +232,7 @@ def _nested_with_own_vjp(fn, mesh, in_specs, out_specs, free, *args):
         # Every input made to vary over every axis any input varies over, the free ones included, so that the
         # op's custom_vjps see one type (as `vary_alike`); pcast's transpose sums a replicated input's cotangent.
         every = frozenset(free).union(*(_varying(x) for x in local))
-        local = [jax.lax.pcast(x, tuple(sorted(every - _varying(x))), to="varying") if every - _varying(x) else x
-                 for x in local]
+        local = [_vary_over(x, every) for x in local]
         return fn(*jax.tree.unflatten(in_tree, local))
 
     def forward_body(*local):
@@ -245,7 +244,7 @@ def _nested_with_own_vjp(fn, mesh, in_specs, out_specs, free, *args):
                     [x for x, d in zip(flat, traced["out_inexact"]) if not d])
         outs, vjp_fn, others = jax.vjp(of_inexact, *[x for x, d in zip(local, inexact) if d], has_aux=True)
         residuals, traced["vjp_tree"] = jax.tree.flatten(vjp_fn)
-        traced["out_types"] = [jax.typeof(x) for x in outs]
+        traced["out_varying"] = [_varying(x) for x in outs]  # a cotangent of a sum does not vary: cast it
         outs, others = iter(outs), iter(others)
         out = jax.tree.unflatten(traced["out_tree"], [next(outs) if d else next(others)
                                                       for d in traced["out_inexact"]])
@@ -264,7 +263,7 @@ def _nested_with_own_vjp(fn, mesh, in_specs, out_specs, free, *args):
 
         def backward_body(local_residuals, *local_cts):
             vjp_fn = jax.tree.unflatten(traced["vjp_tree"], [r[0] for r in local_residuals])
-            return list(vjp_fn([_typed_like(c, t) for c, t in zip(local_cts, traced["out_types"])]))
+            return list(vjp_fn([_vary_over(c, v) for c, v in zip(local_cts, traced["out_varying"])]))
         grads = iter(nested(backward_body, in_specs=(stacked, *ct_specs),
                             out_specs=[s for s, d in zip(leaf_specs, inexact) if d])(residuals, *cts))
         return tuple(next(grads) if d else None for d in inexact)
@@ -278,13 +277,6 @@ def _leaf_specs(specs, tree) -> list:
     per_subtree = jax.tree.map(lambda spec, sub: [spec] * len(jax.tree.leaves(sub)), specs, tree,
                                is_leaf=lambda x: isinstance(x, P))
     return [s for group in jax.tree.leaves(per_subtree, is_leaf=lambda x: isinstance(x, list)) for s in group]
-
-
-def _typed_like(cotangent, aval):
-    """cotangent made to vary over the manual axes its output `aval` varies over (a cotangent of a sum does not)."""
-    want = getattr(getattr(aval, "manual_axis_type", None), "varying", None) or frozenset()
-    missing = tuple(sorted(want - _varying(cotangent)))
-    return jax.lax.pcast(cotangent, missing, to="varying") if missing else cotangent
 
 
 def reshard_for_shard_map(tree, specs, mesh):
@@ -334,9 +326,7 @@ def vary_alike(problem, *arrays):
     if not every:
         return (problem, *arrays)
 
-    def cast(x):
-        missing = tuple(sorted(every - _varying(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
+    cast = lambda x: _vary_over(x, every)
     problem = dataclasses.replace(problem, **{name: cast(x) for name, x in fields.items()})
     return (problem, *(jax.tree.map(cast, x) for x in arrays))
 
@@ -345,6 +335,12 @@ def _array_fields(problem) -> dict:
     """{field name: array} of a `validation.Problem`'s array fields."""
     return {f.name: getattr(problem, f.name) for f in dataclasses.fields(problem)
             if isinstance(getattr(problem, f.name), jax.Array)}
+
+
+def _vary_over(x, axes) -> jax.Array:
+    """x cast (`jax.lax.pcast(..., to="varying")`) to vary over the manual mesh axes `axes` too; x if it does."""
+    missing = tuple(sorted(frozenset(axes) - _varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _varying(x) -> frozenset:
@@ -357,9 +353,7 @@ def _varying(x) -> frozenset:
 def zeros_varying_like(like, reference) -> jax.Array:
     """Zeros of like's shape and dtype, varying over the manual mesh axes `reference` varies over: a custom_vjp's
     exact-zero cotangent for an input that `vary_alike` made vary like every other (so like the op's output)."""
-    varying = _varying(reference)
-    zeros = jnp.zeros(like.shape, like.dtype)
-    return jax.lax.pcast(zeros, tuple(sorted(varying)), to="varying") if varying else zeros
+    return _vary_over(jnp.zeros(like.shape, like.dtype), _varying(reference))
 
 
 def mesh_for_sharded_call(mesh, q):

@@ -4,6 +4,8 @@ their inputs vary over (`kernels.runtime`), and the op first makes its inputs va
 so an input replicated over an axis gets its gradient summed over that axis, as JAX gives any replicated input
 (checked against the XLA reference in the same shard_map)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,9 @@ B, S, H, D, M, W, K, HI, DI = 2, 32, 2, 16, 4, 8, 4, 2, 16
 N = S // M
 
 
-def _inputs(seed=0):
+def _inputs(seed=0, batch=B):
+    """Every input of the cases, B = batch rows (test_partial_manual takes 4: 2 stages x 2 data shards)."""
+    B = batch
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     half = np.arange(S) >= S // 2
@@ -126,19 +130,23 @@ def test_an_input_replicated_over_an_axis_gets_its_gradient_summed_over_it_like_
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
-def _sparse_loss(x, q, kv, topk):
+def _sparse_loss(x, q, kv, topk, implementation="pallas"):
     return csa_pallas.indexer_distill_loss(x, q, kv, topk_indices=topk, compress_ratio=M, target="per_head",
-                                           implementation="pallas")
+                                           implementation=implementation)
 
 
-def _vmapped(x, q, kv, topk):  # two problems per batch row, the vmapped axis second (B is the sharded one)
-    loss, grad = jax.vmap(jax.value_and_grad(_sparse_loss), in_axes=1, out_axes=(0, 1))(x, q, kv, topk)
-    return loss[None], grad
+def _vmapped(x, q, kv, topk, implementation="pallas"):
+    """Two problems per batch row, the vmapped axis second (B is the sharded one)."""
+    loss = jax.value_and_grad(functools.partial(_sparse_loss, implementation=implementation))
+    values, grad = jax.vmap(loss, in_axes=1, out_axes=(0, 1))(x, q, kv, topk)
+    return values[None], grad
 
 
-def _scanned_remat(x, q, kv, topk):  # two rematted "layers" in a scan, each with its own logits
+def _scanned_remat(x, q, kv, topk, implementation="pallas"):  # two rematted "layers" in a scan, own logits each
+    rematted = jax.checkpoint(functools.partial(_sparse_loss, implementation=implementation))
+
     def layer(total, scale):
-        loss, grad = jax.value_and_grad(jax.checkpoint(_sparse_loss))(x * scale, q, kv, topk)
+        loss, grad = jax.value_and_grad(rematted)(x * scale, q, kv, topk)
         return total + loss, grad
     total, grads = jax.lax.scan(layer, jnp.zeros_like(x[0, 0, 0]), jnp.asarray([1.0, 0.5]))
     return total[None], grads

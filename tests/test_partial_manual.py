@@ -17,25 +17,11 @@ from jax.sharding import AxisType, PartitionSpec as P
 import csa_pallas
 from csa_pallas import aot
 from aot_cases import require_libtpu
+from test_check_vma import M, W, _inputs, _scanned_remat, _vmapped
 from test_placement import make_mesh
 
-B, S, H, D, M, W, K, HI, DI = 4, 32, 2, 16, 4, 8, 4, 2, 16
-N = S // M
+B = 4  # batch rows: 2 stages x 2 data shards
 STAGE = P("stage")  # the user's shard_map splits the batch over the pipeline stages
-
-
-def _inputs(seed=0):
-    rng = np.random.default_rng(seed)
-    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    half = np.arange(S) >= S // 2
-    return dict(
-        logits=normal(B, S, N), sparse_logits=normal(B, S, K), q=normal(B, S, H, D), kv=normal(B, N, D),
-        window=normal(B, S, D), sinks=normal(H), index_q=normal(B, S, HI, DI), index_k=normal(B, N, DI),
-        index_w=normal(B, S, HI), topk=jnp.asarray(rng.integers(-1, N, (B, S, K)), jnp.int32),
-        segments=jnp.asarray(np.broadcast_to(half.astype(np.int32), (B, S))),
-        positions=jnp.asarray(np.broadcast_to(np.where(half, np.arange(S) - S // 2, np.arange(S)), (B, S)),
-                              jnp.int32),
-        loss_mask=jnp.asarray(rng.random((B, S)) > 0.25))
 
 
 def _explicit_rows(q):
@@ -98,7 +84,7 @@ def _assert_close(got, want):
 def test_loss_and_gradient_inside_a_shard_map_manual_over_stage_equal_the_reference(name, axis_type, check_vma):
     fn, reference_fn, names, in_specs = CASES[name]
     mesh = make_mesh({"stage": 2, "data": 2, "heads": 2}, axis_type)
-    arrays = _inputs(1)
+    arrays = _inputs(1, batch=B)
     args = [arrays[n] for n in names]
     with jax.set_mesh(mesh):
         got = jax.jit(_in_partial_shard_map(fn, mesh, in_specs, check_vma=check_vma))(*args)
@@ -116,7 +102,7 @@ def test_fused_mean_loss_and_its_three_gradients_per_stage(check_vma):
     """reduction="mean" (a scalar per stage, the non-empty-row flags a boolean output of the op's shard_map) and
     value_and_grad of the fused sparse op: each stage's loss and gradients are the reference's on its rows."""
     mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
-    a = _inputs(7)
+    a = _inputs(7, batch=B)
 
     def fused(iq, ik, iw, q, kv, topk, implementation="pallas"):
         loss = lambda *student: csa_pallas.fused_indexer_distill_loss(
@@ -131,33 +117,14 @@ def test_fused_mean_loss_and_its_three_gradients_per_stage(check_vma):
     _assert_close(got, jax.tree.map(lambda *parts: jnp.concatenate(parts), *per_stage))
 
 
-def _sparse_loss(x, q, kv, topk, implementation="pallas"):
-    return csa_pallas.indexer_distill_loss(x, q, kv, topk_indices=topk, compress_ratio=M, target="per_head",
-                                           implementation=implementation)
-
-
-def _scanned_remat(x, q, kv, topk, implementation="pallas"):  # a stage's layers: a scan of rematted losses
-    def layer(total, scale):
-        value, grad = jax.value_and_grad(jax.checkpoint(lambda y: _sparse_loss(y, q, kv, topk, implementation)))(
-            x * scale)
-        return total + value, grad
-    total, grads = jax.lax.scan(layer, jnp.zeros_like(x[0, 0, 0]), jnp.asarray([1.0, 0.5]))
-    return total[None], grads
-
-
-def _vmapped(x, q, kv, topk, implementation="pallas"):  # two problems per batch row, the vmapped axis second
-    stacked = [jnp.stack([v, v[::-1]], axis=1) for v in (x, q, kv, topk)]
-    loss = jax.value_and_grad(lambda *z: _sparse_loss(*z, implementation=implementation))
-    values, grads = jax.vmap(loss, in_axes=1, out_axes=(0, 1))(*stacked)
-    return jnp.sum(values)[None], grads
-
-
 @pytest.mark.parametrize("fn", [_scanned_remat, _vmapped], ids=["scan_remat", "vmap"])
 def test_scanned_remat_and_vmap_inside_a_check_vma_shard_map_manual_over_stage(fn):
     """The model patterns around the op's own VJP: a scan of rematted layers and a vmap, per stage."""
     mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
-    a = _inputs(8)
+    a = _inputs(8, batch=B)
     args = [a[n] for n in ("sparse_logits", "q", "kv", "topk")]
+    if fn is _vmapped:  # two problems per batch row, the vmapped axis second
+        args = [jnp.stack([x, x[::-1]], axis=1) for x in args]
     grads_spec = P(None, "stage") if fn is _scanned_remat else STAGE
 
     def body(*local):
@@ -178,7 +145,7 @@ def test_teacher_window_lse_and_flax_rules_inside_a_shard_map_manual_over_stage(
     """The teacher and the window LSE under Flax logical axis rules that also name the manual axis (MaxText's
     rules list every batch axis): "stage" has split the arrays already, so the op shards over "data" only."""
     mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
-    a = _inputs(3)
+    a = _inputs(3, batch=B)
 
     def ops(q, kv, topk, window, sinks):
         rules = (("activation_batch", ("stage", "data")), ("activation_heads", "heads"))
@@ -199,7 +166,7 @@ def test_sharded_entry_point_inside_a_shard_map_manual_over_stage():
     """`sharded_indexer_distill_loss(mesh, ...)` inside the user's shard_map takes the axes the user left
     automatic; naming the manual axis is a ValueError naming the argument."""
     mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
-    a = _inputs(4)
+    a = _inputs(4, batch=B)
 
     def loss(x, q, kv, batch_axes):
         return csa_pallas.sharded_indexer_distill_loss(mesh, x, q, kv, batch_axes=batch_axes, head_axis="heads",
@@ -218,7 +185,7 @@ def test_jax_smap_over_stage_loss_and_gradient():
     """`jax.smap` (a shard_map manual over one axis, check_vma on) over the stages, the op inside sharding its rows
     over "data" and "heads": the loss and its gradient equal the reference's."""
     mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
-    a = _inputs(6)
+    a = _inputs(6, batch=B)
 
     def loss(x, q, kv):
         with csa_pallas.activation_sharding(batch="data", heads="heads"):
@@ -240,7 +207,7 @@ def test_partial_manual_shard_map_compiles_for_v5p(check_vma):
     require_libtpu()
     mesh = aot.tpu_mesh("v5p:2x2x1", {"stage": 2, "data": 2})
     fn, _, names, in_specs = CASES["sparse_joint_packed"]
-    arrays = _inputs(5)
+    arrays = _inputs(5, batch=B)
     structs = [aot.sharded_struct(arrays[n].shape, arrays[n].dtype, mesh, spec) for n, spec in zip(names, in_specs)]
 
     def body(*args):
