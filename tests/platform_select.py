@@ -16,8 +16,12 @@ HOST_DEVICES = 8
 # XLA flags of a CPU run, each added unless XLA_FLAGS sets it. An interpreted kernel is a large program (one HLO op
 # per ref access, slot loops unrolled), and compiling it dominates the interpreter tests: XLA:CPU's loop emitters
 # compile it ~3.8x faster than its fusion emitters (a gather-kernel test: 11.5 -> 3.0 s of backend compile,
-# 18.8 -> 9.6 s in all). Flags of the CPU backend only: libtpu's v5p compiles do not read them.
-CPU_FLAGS = {"xla_force_host_platform_device_count": str(HOST_DEVICES), "xla_cpu_use_fusion_emitters": "false"}
+# 18.8 -> 9.6 s in all), and LLVM without its optimisation passes (`xla_backend_optimization_level=0`; each test
+# program runs once or twice, so optimising its machine code costs more than it saves) another ~27%
+# (tests/test_kernels.py 116 -> 86 s, tests/test_sparse_kernels.py 65 -> 54 s; same results: no fast math either
+# way). Flags of the CPU backend only: libtpu's v5p compiles do not read them (the compiled v5p HLO is unchanged).
+CPU_FLAGS = {"xla_force_host_platform_device_count": str(HOST_DEVICES), "xla_cpu_use_fusion_emitters": "false",
+             "xla_backend_optimization_level": "0"}
 _CHIP_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
 
 
@@ -50,6 +54,14 @@ def configure(environ=os.environ, chips_present=None) -> str:
             if flag not in environ.get("XLA_FLAGS", ""):
                 environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} --{flag}={value}".strip()
     return platform
+
+
+def bit_exact_compiler_options(environ=os.environ) -> dict:
+    """`jax.jit(..., compiler_options=...)` for a test that compares two different programs bit for bit (rematted
+    against unrematted, exported against jitted): on the CPU, XLA's default LLVM level 3, which a user's CPU program
+    gets, instead of CPU_FLAGS' level 0, at which two programs of the same arithmetic rounded differently in the last
+    bit (the sparse loss with and without `jax.checkpoint`); on the chips, nothing."""
+    return {"xla_backend_optimization_level": 3} if chosen_platform(environ) == "cpu" else {}
 
 
 def fit_mesh_axes(axes: dict, available: int) -> dict:

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import csa_pallas
 from csa_pallas import aot
 from csa_pallas.kernels import runtime
+import platform_select
 from aot_cases import require_libtpu
 
 MiB = 1 << 20
@@ -134,14 +135,15 @@ def test_jax_export_for_tpu_for_cpu_and_for_both_in_one_artifact(sparse):
     require_libtpu()
     from jax import export
     args = _small_problem(sparse, seed=3)
-    program = jax.jit(_loss_and_grad(sparse))
+    options = platform_select.bit_exact_compiler_options()
+    program = jax.jit(_loss_and_grad(sparse), compiler_options=options)
     want = program(*args)
     exported = {platforms: export.export(program, platforms=platforms)(*args)
                 for platforms in [("tpu",), ("cpu",), ("cpu", "tpu")]}
     for platforms, exp in exported.items():
         assert (MOSAIC_CALL in exp.mlir_module()) == ("tpu" in platforms), platforms
         if "cpu" in platforms:
-            got = exp.call(*args)
+            got = jax.jit(exp.call, compiler_options=options)(*args)
             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     compiled = jax.jit(exported[("cpu", "tpu")].call).lower(*_on_one_chip_like(args)).compile()

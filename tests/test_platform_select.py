@@ -31,13 +31,15 @@ def test_configure_sets_the_backend_and_host_devices_only_for_cpu():
     cpu = {}
     assert configure(cpu, chips_present=False) == "cpu"
     assert cpu["JAX_PLATFORMS"] == "cpu"
-    assert cpu["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false"
+    assert cpu["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false "
+                                "--xla_backend_optimization_level=0")
     tpu = {}
     assert configure(tpu, chips_present=True) == "tpu"
     assert tpu["JAX_PLATFORMS"] == "tpu" and "XLA_FLAGS" not in tpu
     kept = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=true"}
     configure(kept, chips_present=False)
-    assert kept["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=true"
+    assert kept["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=4 --xla_cpu_use_fusion_emitters=true "
+                                 "--xla_backend_optimization_level=0")  # the set flags kept, the missing one added
     with pytest.raises(ValueError, match="^CSA_PALLAS_TEST_PLATFORM: expected 'cpu' or 'tpu', got 'gpu'"):
         chosen_platform({"CSA_PALLAS_TEST_PLATFORM": "gpu"})
 

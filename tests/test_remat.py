@@ -16,6 +16,7 @@ import csa_pallas
 from csa_pallas import aot
 from jax.sharding import PartitionSpec as P
 
+import platform_select
 from aot_cases import require_libtpu
 
 B, S, H, D, M, K, W = 1, 64, 2, 16, 4, 8, 16
@@ -70,7 +71,9 @@ def _inputs(kind: str, seed=0):
 @pytest.mark.parametrize("kind", ["dense", "sparse", "fused_dense", "fused_sparse"])
 def test_rematted_losses_equal_the_unrematted_bit_for_bit(kind):
     args = _inputs(kind)
-    results = {name: jax.jit(_value_and_grad(kind, policy))(*args) for name, policy in POLICIES.items()}
+    options = platform_select.bit_exact_compiler_options()
+    results = {name: jax.jit(_value_and_grad(kind, policy), compiler_options=options)(*args)
+               for name, policy in POLICIES.items()}
     want = jax.tree.leaves(results.pop("unrematted"))
     for name, got in results.items():
         for g, w in zip(jax.tree.leaves(got), want):
