@@ -217,3 +217,35 @@ def test_partial_manual_shard_map_compiles_for_v5p(check_vma):
                            check_vma=check_vma)
     with jax.set_mesh(mesh):
         assert "tpu_custom_call" in jax.jit(mapped).lower(*structs).compile().as_text()
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "unchecked"])
+def test_vmap_with_spmd_axis_name_over_a_free_axis_inside_a_shard_map_manual_over_stage(check_vma):
+    """`jax.vmap(..., spmd_axis_name="data")` around the op inside the user's shard_map manual over "stage": with
+    check_vma=False each element's loss and gradient equal the reference's; with check_vma=True a ValueError that
+    says what to change (JAX 0.10.2 cannot batch a nested check_vma shard_map over a mesh axis of its own: with
+    `jnp.sin` alone it mistypes the outputs as varying over "data")."""
+    mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
+    a = _inputs(9, batch=B)
+    args = [jnp.stack([a[n], a[n][::-1]]) for n in ("sparse_logits", "q", "kv", "topk")]  # the vmapped axis first
+
+    def rows_and_grad(x, q, kv, topk, implementation="pallas"):
+        loss, vjp = jax.vjp(lambda y: csa_pallas.indexer_distill_loss(
+            y, q, kv, topk_indices=topk, compress_ratio=M, target="per_head", reduction="none",
+            implementation=implementation), x)
+        return loss, vjp(jnp.cos(loss))[0]
+
+    def body(*local):
+        with csa_pallas.activation_sharding(batch="heads"):
+            return jax.vmap(rows_and_grad, spmd_axis_name="data")(*local)
+    split = P(None, "stage")
+    mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(split,) * 4, out_specs=(split, split),
+                                   axis_names={"stage"}, check_vma=check_vma))
+    with jax.set_mesh(mesh):
+        if check_vma:
+            with pytest.raises(ValueError, match=r"^jax.vmap\(spmd_axis_name=\['data'\]\) inside a "
+                                                 r"jax.shard_map\(check_vma=True\) manual over \['stage'\]"):
+                mapped.trace(*args)
+            return
+        got = mapped(*args)
+    _assert_close(got, jax.vmap(functools.partial(rows_and_grad, implementation="xla"))(*args))
