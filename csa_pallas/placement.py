@@ -223,7 +223,7 @@ def _nested_with_own_vjp(fn, mesh, in_specs, out_specs, free, *args):
     the free axes' devices) and the backward is a second shard_map that applies them. Integer inputs get no
     cotangent; an input replicated over an axis gets its cotangent summed over it (`call`'s pcast)."""
     spmd = sorted(jax_core.get_axis_env().spmd_axis_names & set(free))
-    if spmd:  # JAX 0.10.2 types the nested shard_map's outputs as varying over them outside it: a TypeError later
+    if spmd:  # JAX 0.10.2 types the nested shard_map's outputs as varying over them outside it: an error later
         raise ValueError(
             f"jax.vmap(spmd_axis_name={spmd!r}) inside a jax.shard_map(check_vma=True) manual over "
             f"{sorted(set(mesh.axis_names) - set(free))}: the op shards over the mesh axes left automatic "

@@ -17,9 +17,9 @@ HOST_DEVICES = 8
 # per ref access, slot loops unrolled), and compiling it dominates the interpreter tests: XLA:CPU's loop emitters
 # compile it ~3.8x faster than its fusion emitters (a gather-kernel test: 11.5 -> 3.0 s of backend compile,
 # 18.8 -> 9.6 s in all), and LLVM without its optimisation passes (`xla_backend_optimization_level=0`; each test
-# program runs once or twice, so optimising its machine code costs more than it saves) another ~27%
-# (tests/test_kernels.py 116 -> 86 s, tests/test_sparse_kernels.py 65 -> 54 s; same results: no fast math either
-# way). Flags of the CPU backend only: libtpu's v5p compiles do not read them (the compiled v5p HLO is unchanged).
+# program runs once or twice, so optimising its machine code costs more than it saves) another 7-14% of an
+# interpreter file's time with two files side by side, as CI runs its parts (README "Tests"; no fast math either
+# way, but two programs of the same arithmetic can round apart: `bit_exact_compiler_options`). Flags of the CPU backend only: libtpu's v5p compiles do not read them (the compiled v5p HLO is unchanged).
 CPU_FLAGS = {"xla_force_host_platform_device_count": str(HOST_DEVICES), "xla_cpu_use_fusion_emitters": "false",
              "xla_backend_optimization_level": "0"}
 _CHIP_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
