@@ -19,7 +19,8 @@ HOST_DEVICES = 8
 # 18.8 -> 9.6 s in all), and LLVM without its optimisation passes (`xla_backend_optimization_level=0`; each test
 # program runs once or twice, so optimising its machine code costs more than it saves) another 7-14% of an
 # interpreter file's time with two files side by side, as CI runs its parts (README "Tests"; no fast math either
-# way, but two programs of the same arithmetic can round apart: `bit_exact_compiler_options`). Flags of the CPU backend only: libtpu's v5p compiles do not read them (the compiled v5p HLO is unchanged).
+# way, but two programs of the same arithmetic can round apart: `bit_exact_compiler_options`). Flags of the CPU
+# backend only: libtpu's v5p compiles do not read them (the compiled v5p HLO is unchanged).
 CPU_FLAGS = {"xla_force_host_platform_device_count": str(HOST_DEVICES), "xla_cpu_use_fusion_emitters": "false",
              "xla_backend_optimization_level": "0"}
 _CHIP_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
