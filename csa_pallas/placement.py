@@ -14,6 +14,9 @@ themselves. The layout is read from, in order:
   3. otherwise, on a mesh of more than one device with `AxisType.Auto` axes (XLA decides the sharding after
      tracing), a ValueError that says what to declare.
 
+On a mesh mixing Explicit and Auto axes (or inside `jax.sharding.auto_axes`) the Explicit axes come from 1. and
+the Auto ones from 2. (`_mixed_placement`).
+
 q [B, S, H, D] decides: B over the batch axes, S over the sequence axis, H over the head axis, D never sharded.
 The other inputs are resharded to match (the key side is replicated over the sequence axis, see `sharding.py`).
 Inside a user's `jax.shard_map` manual over every mesh axis, the op runs per device on what it is given, with
@@ -168,16 +171,13 @@ def _free_axes_placement(q, mesh, sharding, types, manual) -> Placement:
     axes (`axis_names=`, e.g. a pipeline's "stage"), the others, where the per-device arrays are still global."""
     inside = f" inside a jax.shard_map manual over {sorted(manual)}" if manual else ""
     if AxisType.Explicit in types:
-        if AxisType.Auto in types:
-            raise ValueError(f"q: the mesh {dict(mesh.shape)}{inside} mixes Explicit and Auto axes; csa_pallas reads "
-                             f"the sharding from Explicit axes only, so make them all Explicit or all Auto")
-        return _from_spec(jax.typeof(q).sharding.spec, mesh, "its Explicit sharding" + inside)
+        typed = _from_spec(jax.typeof(q).sharding.spec, mesh, "its Explicit sharding" + inside)
+        if AxisType.Auto not in types:
+            return typed
+        return _mixed_placement(typed, mesh, manual, inside)
     if sharding is not None and not isinstance(q, jax.core.Tracer):
         return _from_spec(sharding.spec, mesh, "the array's sharding")
-    declared = _DECLARED.get()
-    source = "csa_pallas.activation_sharding"
-    if declared is None:
-        declared, source = _flax_rules_layout(mesh), "Flax logical axis rules"
+    declared, source = _declared_layout(mesh)
     if declared is None:
         raise ValueError(
             f"q: the inputs live on a mesh of {mesh.size} devices {dict(mesh.shape)}{inside} with Auto axes, whose "
@@ -185,15 +185,56 @@ def _free_axes_placement(q, mesh, sharding, types, manual) -> Placement:
             f"the activations are sharded: `with csa_pallas.activation_sharding(batch=..., heads=..., seq=...):` "
             f"around the call (or Flax logical axis rules for {tuple(FLAX_LOGICAL_AXES.values())}, as MaxText sets), "
             f"use a mesh with AxisType.Explicit axes, or call {ENTRY_POINT}")
+    _check_declared_names(declared, source, mesh)
+    # A manual axis has split the arrays already (each device holds its part): the op shards over the rest.
+    free = lambda name: None if name in manual else name
+    return Placement(mesh, tuple(n for n in declared.batch if n not in manual), free(declared.heads),
+                     free(declared.seq), source + inside)
+
+
+def _declared_layout(mesh):
+    """(the declared layout, where it came from): `activation_sharding`, else Flax logical axis rules; (None, ...)
+    when neither is active."""
+    declared = _DECLARED.get()
+    if declared is not None:
+        return declared, "csa_pallas.activation_sharding"
+    return _flax_rules_layout(mesh), "Flax logical axis rules"
+
+
+def _check_declared_names(declared: _Declared, source: str, mesh):
     for arg, names in (("batch", declared.batch), ("heads", (declared.heads,)), ("seq", (declared.seq,))):
         for name in names:
             if name is not None and name not in mesh.shape:
                 raise ValueError(f"{source}: {arg} names mesh axis {name!r}, but the mesh's axes are "
                                  f"{tuple(mesh.shape)}")
-    # A manual axis has split the arrays already (each device holds its part): the op shards over the rest.
-    free = lambda name: None if name in manual else name
-    return Placement(mesh, tuple(n for n in declared.batch if n not in manual), free(declared.heads),
-                     free(declared.seq), source + inside)
+
+
+def _mixed_placement(typed: Placement, mesh, manual, inside: str) -> Placement:
+    """A mesh mixing Explicit and Auto axes (`jax.make_mesh(..., axis_types=...)`, or inside
+    `jax.sharding.auto_axes`): q's type gives the Explicit axes' layout; the Auto axes', which XLA decides after
+    tracing, comes from the declared layout (`activation_sharding` or Flax rules), whose Explicit axis names are
+    left to the type. With nothing declared, a ValueError unless every Auto axis has size 1."""
+    auto = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto and n not in manual]
+    declared, source = _declared_layout(mesh)
+    if declared is None:
+        if all(mesh.shape[n] == 1 for n in auto):
+            return typed
+        raise ValueError(
+            f"q: the mesh {dict(mesh.shape)}{inside} mixes Explicit and Auto axes: q's type gives the layout over "
+            f"the Explicit ones ({typed.describe()}), and XLA decides the Auto ones {auto} after tracing, which the "
+            f"Pallas kernels cannot follow. Declare them: `with csa_pallas.activation_sharding(batch=..., heads=..., "
+            f"seq=...):` around the call (or Flax logical axis rules), make every axis Explicit, or call "
+            f"{ENTRY_POINT}")
+    _check_declared_names(declared, source, mesh)
+    pick = lambda names: tuple(n for n in names if n in auto)
+    batch, heads, seq = pick(declared.batch), pick((declared.heads,)), pick((declared.seq,))
+    for arg, declared_axis, typed_axis in (("heads", heads, typed.head_axis), ("seq", seq, typed.seq_axis)):
+        if declared_axis and typed_axis is not None:
+            raise ValueError(f"{source}: {arg} names the Auto mesh axis {declared_axis[0]!r}, but q's Explicit type "
+                             f"splits that dimension over {typed_axis!r} already ({typed.describe()}); one axis at "
+                             f"most per dimension")
+    return Placement(mesh, typed.batch_axes + batch, typed.head_axis or (heads[0] if heads else None),
+                     typed.seq_axis or (seq[0] if seq else None), f"{typed.source}, and {source} for the Auto axes")
 
 
 def manual_axes(mesh) -> frozenset:
@@ -289,11 +330,17 @@ def _leaf_specs(specs, tree) -> list:
 
 def reshard_for_shard_map(tree, specs, mesh):
     """Explicit-axis meshes: shard_map requires each input's type to carry its in_spec; reshard to it (a no-op
-    where the input already has it). Auto meshes: returned unchanged (XLA reshards at the boundary)."""
+    where the input already has it), over the Explicit axes only on a mesh that mixes in Auto ones (a type names
+    no Auto axis). Auto meshes: returned unchanged (XLA reshards at the boundary)."""
     if AxisType.Explicit not in set(mesh.axis_types):
         return tree
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+
+    def typed_part(spec):
+        keep = lambda entry: tuple(n for n in ((entry,) if isinstance(entry, str) else entry or ()) if n in explicit)
+        return P(*[(kept if len(kept) > 1 else kept[0]) if (kept := keep(e)) else None for e in spec])
     # A NamedSharding, not the bare spec: the caller's inputs carry their mesh, no `jax.set_mesh` context needed.
-    return jax.tree.map(lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)), tree, specs,
+    return jax.tree.map(lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, typed_part(spec))), tree, specs,
                         is_leaf=lambda x: x is None)
 
 

@@ -81,6 +81,18 @@ def test_plain_op_on_an_explicit_mesh_compiles_for_v5p():
     check_compiled(compiled, 2, True)
 
 
+def test_plain_op_on_a_mesh_mixing_explicit_and_auto_axes_compiles_for_v5p():
+    """"data" Explicit (q's type), "heads" and "seq" Auto (declared): the sharded path's Mosaic calls on v5p."""
+    require_libtpu()
+    devices = aot.tpu_devices(TOPOLOGY)
+    mesh = jax.make_mesh((2, 2, 2), ("data", "heads", "seq"),
+                         axis_types=(AxisType.Explicit, AxisType.Auto, AxisType.Auto), devices=devices)
+    layout = (("data",), "seq", "heads")
+    with jax.set_mesh(mesh), csa_pallas.activation_sharding(batch="data", heads="heads", seq="seq"):
+        compiled = jax.jit(program).lower(*flash_structs(mesh, layout, 2, True)).compile()
+    check_compiled(compiled, 2, True)
+
+
 @pytest.mark.parametrize("remat_policy", ["full", "save_proj", "offload_proj"])
 def test_scanned_rematted_model_example_compiles_for_v5p_by_the_plain_path(remat_policy):
     """MaxText's remat policies by name: nothing saved, the named projections and the loss's residuals

@@ -225,3 +225,77 @@ def test_a_kernel_config_on_sharded_inputs_reaches_the_sharded_path(monkeypatch)
             got = jax.jit(call)(*map(put, args))
         np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
         assert seen and all(dict(cfg or ()) == config for cfg in seen), seen
+
+
+def _mixed_mesh(explicit=("data",)):
+    sizes = platform_select.fit_mesh_axes({"data": 2, "heads": 2, "seq": 2}, len(jax.devices()))
+    types = tuple(AxisType.Explicit if n in explicit else AxisType.Auto for n in sizes)
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=types)
+
+
+@pytest.mark.parametrize("sparse,target", [(False, "joint"), (True, "per_head")], ids=["dense", "sparse"])
+def test_mesh_mixing_explicit_and_auto_axes_reads_the_types_and_the_declaration(sparse, target):
+    """A mesh whose "data" axis is Explicit and "heads" / "seq" Auto (`jax.make_mesh(..., axis_types=...)`): q's
+    type gives the batch over "data", the declared layout the Auto axes (its "data" left to the type); loss,
+    gradient and teacher equal the reference. Undeclared, a ValueError that names both halves (until 2026-12-08
+    any mixed mesh was one)."""
+    mesh = _mixed_mesh()
+    logits, arrays, teacher = inputs(17, sparse=sparse, target=target, packed=sparse, batch=4)
+    x, q, kv, teacher_placed = placed(mesh, (("data",), "seq", "heads"), logits, arrays, teacher)
+    with jax.set_mesh(mesh):
+        with csa_pallas.activation_sharding(batch="data", heads="heads", seq="seq"):
+            got = plain_results(x, q, kv, teacher_placed, implementation="pallas")
+            assert_close(plain_results(x, q, kv, teacher_placed, implementation="xla"),
+                         reference_results(logits, arrays, teacher))
+        with pytest.raises(ValueError, match=r"^q: the mesh .* mixes Explicit and Auto axes: q's type gives the "
+                                             r"layout over the Explicit ones .*Auto ones \['heads', 'seq'\]"):
+            plain_results(x, q, kv, teacher_placed, implementation="pallas")
+    assert_close(got, reference_results(logits, arrays, teacher))
+    resolved = []
+    with jax.set_mesh(mesh), csa_pallas.activation_sharding(batch="data", heads="heads", seq="seq"):
+        jax.jit(lambda q: resolved.append(placement.resolve(q)) or q).trace(q)
+    assert (resolved[0].batch_axes, resolved[0].seq_axis, resolved[0].head_axis) == (("data",), "seq", "heads")
+
+
+def test_inside_jax_auto_axes_on_an_explicit_mesh():
+    """`jax.sharding.auto_axes(f, axes="heads")` on an all-Explicit mesh turns "heads" Auto inside f: the op takes
+    "data" from q's type and "heads" from Flax logical axis rules (MaxText's names)."""
+    mesh = _mixed_mesh(explicit=("data", "heads", "seq"))
+    logits, arrays, teacher = inputs(18, sparse=False, target="per_head", packed=False, batch=4)
+    x, q, kv, _ = placed(mesh, (("data",), None, None), logits, arrays, teacher)
+    rules = [("activation_batch", ("data", "fsdp")), ("activation_heads", "heads"), ("activation_length", None)]
+
+    def loss_rows(x, q, kv):
+        with nn.logical_axis_rules(rules):
+            return csa_pallas.indexer_distill_loss(x, q, kv, compress_ratio=M, window_size=W, target="per_head",
+                                                   reduction="none", implementation="pallas")
+    resolved = []
+
+    def resolving(x, q, kv):
+        with nn.logical_axis_rules(rules):
+            resolved.append(placement.resolve(q))
+        return loss_rows(x, q, kv)
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.sharding.auto_axes(resolving, axes="heads", out_sharding=P("data")))(x, q, kv)
+    assert (resolved[0].batch_axes, resolved[0].head_axis) == (("data",), "heads"), resolved
+    want = csa_pallas.indexer_distill_loss(logits, arrays["q"], arrays["compressed_kv"], compress_ratio=M,
+                                           window_size=W, target="per_head", reduction="none", implementation="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+def test_fused_op_on_a_mesh_mixing_explicit_and_auto_axes():
+    """The fused op (loss and its three gradients) on the mixed mesh: batch over the Explicit "data", heads over
+    the declared Auto "heads"."""
+    from student_cases import make_student_case
+    mesh = _mixed_mesh()
+    c, kw = make_student_case(31, batch=2, seq=32)
+    args = (c["index_q"], c["index_k"], c["index_weights"], c["q"], c["compressed_kv"])
+    specs = (P("data"), P("data"), P("data"), P("data", None, "heads"), P("data"))
+
+    def fused(iq, ik, iw, q, kv, implementation="pallas"):
+        return jax.value_and_grad(lambda *student: csa_pallas.fused_indexer_distill_loss(
+            *student, q, kv, **kw, target="joint", implementation=implementation), argnums=(0, 1, 2))(iq, ik, iw)
+    with jax.set_mesh(mesh), csa_pallas.activation_sharding(batch="data", heads="heads"):
+        got = jax.jit(fused)(*[jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)])
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(fused(*args, implementation="xla")), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
