@@ -249,6 +249,14 @@ def shard_map(fn, mesh, in_specs, out_specs):
     JAX 0.10.2 cannot transpose a shard_map nested in a `check_vma=True` shard_map that is manual over some axes
     (`jnp.sin` alone fails: a cotangent-type error with the inner check_vma False, a Shardy verifier error with it
     True), so there the nested shard_map gets its own VJP (`_nested_with_own_vjp`): nothing is transposed."""
+    vmapped = sorted(jax_core.get_axis_env().explicit_mesh_axis_names)
+    if vmapped:  # measured: reshapes around the window-LSE and teacher kernels, v5p compiles at the Flash widths
+        raise ValueError(
+            f"jax.vmap over the Explicit mesh axes {vmapped} (spmd_axis_name on an Explicit mesh): JAX 0.10.2 keeps "
+            "a vmapped Explicit axis inside the op's shard_map, and its sharding rules reject the reshapes around "
+            "the kernels there ('This reshape is not supported'); make that mesh axis Auto (the op's layout then "
+            "comes from csa_pallas.activation_sharding or Flax rules, as in MaxText's pipeline), or split it with a "
+            "jax.shard_map manual over it")
     manual = manual_axes(mesh)
     free = frozenset(n for n in mesh.axis_names if n not in manual)
     if not manual:
