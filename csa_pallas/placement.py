@@ -263,6 +263,13 @@ def shard_map(fn, mesh, in_specs, out_specs):
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     if not jax_config._check_vma.value:
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, axis_names=free)
+    spmd = sorted(jax_core.get_axis_env().spmd_axis_names & free)
+    if spmd:  # JAX 0.10.2 types the nested shard_map's outputs as varying over them outside it: an error later
+        raise ValueError(
+            f"jax.vmap(spmd_axis_name={spmd!r}) inside a jax.shard_map(check_vma=True) manual over {sorted(manual)}: "
+            f"the op shards over the mesh axes left automatic ({sorted(free)}) in a nested shard_map, which JAX "
+            "cannot batch over a mesh axis of its own with check_vma=True; vmap without spmd_axis_name, or make the "
+            "outer shard_map check_vma=False")
     return functools.partial(_nested_with_own_vjp, fn, mesh, in_specs, out_specs, free)
 
 
@@ -271,13 +278,6 @@ def _nested_with_own_vjp(fn, mesh, in_specs, out_specs, free, *args):
     shard_map: under differentiation the forward shard_map also returns each device's VJP residuals (stacked over
     the free axes' devices) and the backward is a second shard_map that applies them. Integer inputs get no
     cotangent; an input replicated over an axis gets its cotangent summed over it (`call`'s pcast)."""
-    spmd = sorted(jax_core.get_axis_env().spmd_axis_names & set(free))
-    if spmd:  # JAX 0.10.2 types the nested shard_map's outputs as varying over them outside it: an error later
-        raise ValueError(
-            f"jax.vmap(spmd_axis_name={spmd!r}) inside a jax.shard_map(check_vma=True) manual over "
-            f"{sorted(set(mesh.axis_names) - set(free))}: the op shards over the mesh axes left automatic "
-            f"({sorted(free)}) in a nested shard_map, which JAX cannot batch over a mesh axis of its own with "
-            "check_vma=True; vmap without spmd_axis_name, or make the outer shard_map check_vma=False")
     leaves, in_tree = jax.tree.flatten(args)
     leaf_specs = _leaf_specs(in_specs, args)
     inexact = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]

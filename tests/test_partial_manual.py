@@ -106,8 +106,7 @@ def test_free_axes_mixing_explicit_and_auto(check_vma):
     """The free axes mixing Explicit ("data", from q's type) and Auto ("heads", declared): the sparse joint loss's
     rows and gradient equal the reference (until 2026-12-08 a ValueError, as outside a shard_map)."""
     fn, reference_fn, names, in_specs = CASES["sparse_joint_packed"]
-    mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "heads"),
-                         axis_types=(AxisType.Explicit, AxisType.Explicit, AxisType.Auto))
+    mesh = make_mesh({"stage": 2, "data": 2, "heads": 2}, (AxisType.Explicit, AxisType.Explicit, AxisType.Auto))
     args = [_inputs(10, batch=B)[n] for n in names]
     with jax.set_mesh(mesh):
         got = jax.jit(_in_partial_shard_map(fn, mesh, in_specs, check_vma=check_vma))(*args)
@@ -242,22 +241,17 @@ def test_vmap_with_spmd_axis_name_over_a_free_axis_inside_a_shard_map_manual_ove
     check_vma=False each element's loss and gradient equal the reference's; with check_vma=True a ValueError that
     says what to change (JAX 0.10.2 cannot batch a nested check_vma shard_map over a mesh axis of its own: with
     `jnp.sin` alone it mistypes the outputs as varying over "data")."""
+    fn, reference_fn, names, in_specs = CASES["sparse_joint_packed"]
     mesh = make_mesh({"stage": 2, "data": 2, "heads": 2})
     a = _inputs(9, batch=B)
-    args = [jnp.stack([a[n], a[n][::-1]]) for n in ("sparse_logits", "q", "kv", "topk")]  # the vmapped axis first
-
-    def rows_and_grad(x, q, kv, topk, implementation="pallas"):
-        loss, vjp = jax.vjp(lambda y: csa_pallas.indexer_distill_loss(
-            y, q, kv, topk_indices=topk, compress_ratio=M, target="per_head", reduction="none",
-            implementation=implementation), x)
-        return loss, vjp(jnp.cos(loss))[0]
+    args = [jnp.stack([a[n], a[n][::-1]]) for n in names]  # the vmapped axis first
 
     def body(*local):
         with csa_pallas.activation_sharding(batch="heads"):
-            return jax.vmap(rows_and_grad, spmd_axis_name="data")(*local)
+            return jax.vmap(fn, spmd_axis_name="data")(*local)
     split = P(None, "stage")
-    mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(split,) * 4, out_specs=(split, split),
-                                   axis_names={"stage"}, check_vma=check_vma))
+    mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(split if s == STAGE else P() for s in in_specs),
+                                   out_specs=(split, split), axis_names={"stage"}, check_vma=check_vma))
     with jax.set_mesh(mesh):
         if check_vma:
             with pytest.raises(ValueError, match=r"^jax.vmap\(spmd_axis_name=\['data'\]\) inside a "
@@ -265,4 +259,4 @@ def test_vmap_with_spmd_axis_name_over_a_free_axis_inside_a_shard_map_manual_ove
                 mapped.trace(*args)
             return
         got = mapped(*args)
-    _assert_close(got, jax.vmap(functools.partial(rows_and_grad, implementation="xla"))(*args))
+    _assert_close(got, jax.vmap(reference_fn)(*args))

@@ -24,8 +24,10 @@ MESHES = {
 
 
 def make_mesh(axes: dict, axis_type=AxisType.Auto):
+    """A mesh of `axes` fitted to this host's devices; axis_type: one AxisType for every axis, or one per axis."""
     sizes = platform_select.fit_mesh_axes(axes, len(jax.devices()))
-    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(axis_type,) * len(sizes))
+    types = axis_type if isinstance(axis_type, tuple) else (axis_type,) * len(sizes)
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=types)
 
 
 def placed(mesh, layout, logits, arrays, teacher):
@@ -227,10 +229,8 @@ def test_a_kernel_config_on_sharded_inputs_reaches_the_sharded_path(monkeypatch)
         assert seen and all(dict(cfg or ()) == config for cfg in seen), seen
 
 
-def _mixed_mesh(explicit=("data",)):
-    sizes = platform_select.fit_mesh_axes({"data": 2, "heads": 2, "seq": 2}, len(jax.devices()))
-    types = tuple(AxisType.Explicit if n in explicit else AxisType.Auto for n in sizes)
-    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=types)
+def _mixed_mesh():
+    return make_mesh({"data": 2, "heads": 2, "seq": 2}, (AxisType.Explicit, AxisType.Auto, AxisType.Auto))
 
 
 @pytest.mark.parametrize("sparse,target", [(False, "joint"), (True, "per_head")], ids=["dense", "sparse"])
@@ -260,23 +260,19 @@ def test_mesh_mixing_explicit_and_auto_axes_reads_the_types_and_the_declaration(
 def test_inside_jax_auto_axes_on_an_explicit_mesh():
     """`jax.sharding.auto_axes(f, axes="heads")` on an all-Explicit mesh turns "heads" Auto inside f: the op takes
     "data" from q's type and "heads" from Flax logical axis rules (MaxText's names)."""
-    mesh = _mixed_mesh(explicit=("data", "heads", "seq"))
+    mesh = make_mesh({"data": 2, "heads": 2, "seq": 2}, AxisType.Explicit)
     logits, arrays, teacher = inputs(18, sparse=False, target="per_head", packed=False, batch=4)
     x, q, kv, _ = placed(mesh, (("data",), None, None), logits, arrays, teacher)
     rules = [("activation_batch", ("data", "fsdp")), ("activation_heads", "heads"), ("activation_length", None)]
+    resolved = []
 
     def loss_rows(x, q, kv):
         with nn.logical_axis_rules(rules):
+            resolved.append(placement.resolve(q))
             return csa_pallas.indexer_distill_loss(x, q, kv, compress_ratio=M, window_size=W, target="per_head",
                                                    reduction="none", implementation="pallas")
-    resolved = []
-
-    def resolving(x, q, kv):
-        with nn.logical_axis_rules(rules):
-            resolved.append(placement.resolve(q))
-        return loss_rows(x, q, kv)
     with jax.set_mesh(mesh):
-        got = jax.jit(jax.sharding.auto_axes(resolving, axes="heads", out_sharding=P("data")))(x, q, kv)
+        got = jax.jit(jax.sharding.auto_axes(loss_rows, axes="heads", out_sharding=P("data")))(x, q, kv)
     assert (resolved[0].batch_axes, resolved[0].head_axis) == (("data",), "heads"), resolved
     want = csa_pallas.indexer_distill_loss(logits, arrays["q"], arrays["compressed_kv"], compress_ratio=M,
                                            window_size=W, target="per_head", reduction="none", implementation="xla")
